@@ -1,0 +1,3 @@
+from echo_cli.app import main
+
+main()

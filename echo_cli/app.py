@@ -1,0 +1,132 @@
+"""The `echo-rl` command: `learner start`, `bench sampler`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from echo_cli.config import load_config, with_config_flags
+from learner.config import ConfigError, LearnerConfig
+
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="Distributed GRPO post-training with a rollout swarm."
+)
+learner_app = typer.Typer(no_args_is_help=True, help="The training node.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print measured figures.")
+app.add_typer(learner_app, name="learner")
+app.add_typer(bench_app, name="bench")
+
+console = Console(stderr=True)
+log = logging.getLogger("echo_rl")
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(message)s",
+        datefmt="[%X]",
+        handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=True)],
+        force=True,
+    )
+    for noisy in ("transformers", "accelerate", "urllib3", "filelock", "gguf"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def fail(message: str) -> typer.Exit:
+    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(2)
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """Exceptions whose message is a complete one-line explanation for the user."""
+    from learner.models import ModelError
+    from learner.tasks import TaskError
+
+    return (ConfigError, ModelError, TaskError)
+
+
+@learner_app.command("start")
+@with_config_flags(LearnerConfig)
+def learner_start(
+    overrides: dict,
+    config: Path | None = typer.Option(
+        None, "--config", help="TOML file with [run] [model] [task] [grpo] [sampler] tables."
+    ),
+    colocated: bool = typer.Option(False, "--colocated", help="Generate, train and reload in this one process."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its newest checkpoint."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+) -> None:
+    """Train a policy with GRPO (co-located: generation and training in one process)."""
+    setup_logging(verbose)
+    if not colocated:
+        raise fail("the distributed learner is not available yet: pass --colocated")
+    try:
+        cfg = load_config(LearnerConfig, config, overrides)
+        from learner.colocated import train_colocated
+        from worker.engines import make_engine
+
+        engine = make_engine(
+            cfg.sampler.engine, Path(cfg.run.run_dir) / "sampler", cfg.sampler.threads, cfg.sampler.max_batch
+        )
+        steps = train_colocated(cfg, engine, resume=resume)
+        show_progress(steps, cfg.run.steps)
+    except user_errors() as exc:
+        raise fail(str(exc)) from None
+
+
+def show_progress(steps, total: int) -> None:
+    """A live bar on a terminal; one log line per step otherwise (CI, files)."""
+    if not console.is_terminal:
+        for m in steps:
+            log.info(
+                "step %d/%d reward %.3f acc %.2f loss %.4f kl %.4f gen %.0f tok/s (%.1fs gen, %.1fs train)",
+                m["step"], total, m["reward_mean"], m["accuracy"], m["loss"], m["kl"],
+                m["gen_tokens_per_s"], m["seconds"]["generate"], m["seconds"]["train"],
+            )  # fmt: skip
+        return
+    columns = (
+        TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+        TextColumn("reward {task.fields[reward]:.3f}  acc {task.fields[acc]:.2f}  {task.fields[tps]:.0f} tok/s"),
+        TimeElapsedColumn(), TimeRemainingColumn(),
+    )  # fmt: skip
+    with Progress(*columns, console=console) as progress:
+        bar = progress.add_task("train", total=total, reward=0.0, acc=0.0, tps=0.0)
+        for m in steps:
+            progress.update(
+                bar, completed=m["step"], reward=m["reward_mean"], acc=m["accuracy"], tps=m["gen_tokens_per_s"]
+            )
+
+
+@bench_app.command("sampler")
+def bench_sampler(
+    model: str = typer.Option("smollm2-135m", "--model", help="Model name or path (as for learner start)."),
+    prompts: int = typer.Option(8, "--prompts", help="Distinct prompts."),
+    group_size: int = typer.Option(4, "--group-size", help="Completions per prompt."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Completion length limit."),
+    threads: int = typer.Option(2, "--threads", help="CPU threads for both samplers."),
+    max_batch: int = typer.Option(32, "--max-batch", help="Sequences our sampler decodes together."),
+    cache_dir: str = typer.Option("~/.cache/echo-rl", "--cache-dir", help="Model cache."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+) -> None:
+    """Our batched llama.cpp sampler (with logprobs) vs llama-cpp-python's create_completion (without)."""
+    setup_logging()
+    from echo_cli.bench import run_sampler_bench
+
+    try:
+        run_sampler_bench(model, prompts, group_size, max_new_tokens, threads, max_batch, cache_dir, json_out)
+    except user_errors() as exc:
+        raise fail(str(exc)) from None
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        sys.exit(130)

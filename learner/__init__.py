@@ -1,0 +1,1 @@
+"""The training node: models, tasks and rewards, the GRPO objective and the training loop."""

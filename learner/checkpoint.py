@@ -1,0 +1,57 @@
+"""Checkpoints: weights (safetensors), optimizer and RNG state, step and config, written atomically.
+
+RUN_DIR/checkpoints/step-000040/{model.safetensors, trainer.pt, state.json}. A checkpoint is written
+to a temporary folder and renamed into place, so a crash mid-write never leaves a half checkpoint
+that --resume would pick up.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_model, save_model
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted(
+        p for p in root.glob("step-*") if p.is_dir() and (p / "state.json").exists() and not p.name.endswith(".tmp")
+    )
+
+
+def save_checkpoint(
+    run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], keep: int
+) -> Path:
+    final = checkpoint_dir(run_dir) / f"step-{step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_model(model, str(tmp / "model.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Restore weights, optimizer and RNG state in place; return state.json."""
+    load_model(model, str(path / "model.safetensors"))
+    trainer = torch.load(path / "trainer.pt", weights_only=True)
+    optimizer.load_state_dict(trainer["optimizer"])
+    torch.set_rng_state(trainer["torch_rng"])
+    return json.loads((path / "state.json").read_text())

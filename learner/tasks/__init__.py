@@ -1,0 +1,77 @@
+"""Procedural, seeded, verifiable tasks. A task makes problems and scores completions.
+
+Every reward function takes any text and returns a float in [0, 1]; it never raises.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A prompt for the policy and the hidden answer the reward checks against."""
+
+    prompt: str
+    answer: Any
+
+
+class Task(Protocol):
+    name: str
+
+    def sample(self, rng: random.Random) -> Problem: ...
+
+    def reward(self, completion: str, answer: Any) -> float: ...
+
+
+class TaskError(ValueError):
+    """A task name or argument that cannot be used; the message says what is allowed."""
+
+
+TASK_NAMES = ("arithmetic", "countdown", "sokoban", "knights-knaves", "jsonl:PATH")
+
+
+def make_task(name: str, args: dict[str, Any] | None = None) -> Task:
+    """Build a task from its name (see TASK_NAMES) and keyword arguments (its difficulty knobs)."""
+    from learner.tasks.arithmetic import ArithmeticTask
+    from learner.tasks.countdown import CountdownTask
+    from learner.tasks.jsonl import JsonlTask
+    from learner.tasks.knights_knaves import KnightsKnavesTask
+    from learner.tasks.sokoban import SokobanTask
+
+    args = dict(args or {})
+    if name.startswith("jsonl:"):
+        return JsonlTask(name.removeprefix("jsonl:"), **_checked(JsonlTask, name, args))
+    classes = {
+        "arithmetic": ArithmeticTask,
+        "countdown": CountdownTask,
+        "sokoban": SokobanTask,
+        "knights-knaves": KnightsKnavesTask,
+    }
+    if name not in classes:
+        raise TaskError(f"unknown task {name!r}; choose one of {', '.join(TASK_NAMES)}")
+    return classes[name](**_checked(classes[name], name, args))
+
+
+def _checked(cls: type, name: str, args: dict[str, Any]) -> dict[str, Any]:
+    import inspect
+
+    allowed = [p for p in inspect.signature(cls).parameters if p != "path"]
+    unknown = sorted(set(args) - set(allowed))
+    if unknown:
+        raise TaskError(f"task {name!r} has no argument {unknown[0]!r}; allowed: {', '.join(allowed)}")
+    return args
+
+
+def last_integer(text: str) -> int | None:
+    """The last integer written in `text` (commas inside numbers allowed), or None."""
+    import re
+
+    matches = re.findall(r"-?\d[\d,]*", text[-2000:])
+    for m in reversed(matches):
+        digits = m.replace(",", "")
+        if digits.strip("-").isdigit() and len(digits) <= 30:
+            return int(digits)
+    return None

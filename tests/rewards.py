@@ -1,0 +1,11 @@
+"""Reward functions used by tests through the `module:function` form of jsonl tasks."""
+
+
+def crashes(completion: str, answer: object) -> float:
+    raise RuntimeError("a buggy user reward")
+
+
+def starts_ascii(completion: str, answer: object) -> float:
+    """1 if the completion starts with an ASCII character: about half of a random byte model's samples,
+    so groups have mixed rewards and the tiny model really trains."""
+    return 1.0 if completion and ord(completion[0]) < 128 else 0.0

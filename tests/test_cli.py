@@ -1,0 +1,132 @@
+"""`echo-rl` as a user runs it: real subprocesses, tiny model, real llama.cpp."""
+
+import json
+
+import pytest
+
+from tests.conftest import run_cli
+
+
+def start(run_dir, *args: str):
+    """`echo-rl learner start --colocated --model tiny --run-dir RUN_DIR ARGS`."""
+    return run_cli("learner", "start", "--colocated", "--model", "tiny", "--run-dir", str(run_dir), *args)
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_colocated_run_and_exact_resume(tmp_path):
+    run = tmp_path / "R"
+    res = run_cli(
+        "learner",
+        "start",
+        "--colocated",
+        "--model",
+        "tiny",
+        "--task",
+        "arithmetic",
+        "--steps",
+        "4",
+        "--run-dir",
+        str(run),
+    )
+    assert res.returncode == 0, res.stderr
+    assert [m["step"] for m in metrics(run)] == [1, 2, 3, 4]
+    assert (run / "checkpoints" / "step-000004" / "model.safetensors").exists()
+    first = metrics(run)
+
+    res = run_cli(
+        "learner",
+        "start",
+        "--colocated",
+        "--model",
+        "tiny",
+        "--task",
+        "arithmetic",
+        "--steps",
+        "6",
+        "--resume",
+        "--run-dir",
+        str(run),
+    )
+    assert res.returncode == 0, res.stderr
+    m = metrics(run)
+    assert [x["step"] for x in m] == [1, 2, 3, 4, 5, 6]
+    assert m[:4] == first
+    assert m[5]["wall_s"] > m[3]["wall_s"]  # wall time continues across the restart
+    for key in ("reward_mean", "accuracy", "loss", "kl", "clip_frac", "tokens", "seconds"):
+        assert key in m[-1]
+    assert set(m[-1]["seconds"]) >= {"generate", "score", "train", "export"}
+
+
+def test_resume_is_exact(tmp_path):
+    """6 steps straight equal 3 steps + resume + 3 steps, on a task where the tiny model does learn."""
+    data = tmp_path / "short.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": 40}) + "\n" for i in range(5)))
+    common = ["--task", f"jsonl:{data}", "--task-args", "reward=tests.rewards:starts_ascii"]
+    common += ["--checkpoint-every", "3", "--max-new-tokens", "24"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert start(straight, *common, "--steps", "6").returncode == 0
+    assert start(split, *common, "--steps", "3").returncode == 0
+    res = start(split, *common, "--steps", "6", "--resume")
+    assert res.returncode == 0, res.stderr
+    a, b = metrics(straight), metrics(split)
+    assert sum(x["trained_tokens"] for x in a) > 0  # rewards differ within groups: it really trains
+    for x, y in zip(a, b, strict=True):
+        assert x["reward_mean"] == y["reward_mean"] and x["tokens"] == y["tokens"]
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("task", ["countdown", "sokoban", "knights-knaves"])
+def test_every_task_trains(tmp_path, task):
+    res = start(tmp_path / task, "--task", task, "--steps", "2", "--prompts-per-step", "2", "--group-size", "4")
+    assert res.returncode == 0, res.stderr
+    assert len(metrics(tmp_path / task)) == 2
+
+
+def test_transformers_engine_runs(tmp_path):
+    args = ["--engine", "transformers", "--steps", "1", "--prompts-per-step", "1", "--group-size", "2"]
+    res = start(tmp_path / "hf", *args, "--max-new-tokens", "8")
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--group-size", "1"], "grpo.group_size: must be >= 2"),
+        (["--lr", "fast"], "grpo.lr"),
+        (["--model", "/no/such/model"], "neither a known name"),
+        (["--task", "chess"], "unknown task 'chess'"),
+        (["--config", "/no/such.toml"], "does not exist"),
+        (["--resume"], "no checkpoint"),
+    ],
+)
+def test_bad_input_gives_one_line_error(tmp_path, args, message):
+    res = run_cli(
+        "learner", "start", "--colocated", "--model", "tiny", "--steps", "1", "--run-dir", str(tmp_path / "r"), *args
+    )
+    assert res.returncode == 2
+    lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0], res.stderr
+
+
+def test_existing_run_is_not_overwritten(tmp_path):
+    run = tmp_path / "R"
+    assert (
+        run_cli("learner", "start", "--colocated", "--model", "tiny", "--steps", "1", "--run-dir", str(run)).returncode
+        == 0
+    )
+    before = (run / "metrics.jsonl").read_text()
+    res = start(run, "--steps", "1")
+    assert res.returncode == 2 and "already holds a run" in res.stderr
+    assert (run / "metrics.jsonl").read_text() == before
+
+
+def test_help_lists_only_working_commands():
+    res = run_cli("--help")
+    assert res.returncode == 0
+    assert "learner" in res.stdout and "bench" in res.stdout
+    res = run_cli("learner", "start", "--help")
+    for flag in ("--colocated", "--resume", "--config", "--group-size", "--lr", "--task-args", "--engine"):
+        assert flag in res.stdout

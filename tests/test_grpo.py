@@ -1,0 +1,59 @@
+import math
+
+import pytest
+import torch
+
+from learner.grpo import group_advantages, policy_loss
+
+
+def test_group_advantages_by_hand():
+    adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]]))
+    # mean 0.5, population std 0.5
+    assert torch.allclose(adv[0], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)
+    assert torch.equal(adv[1], torch.zeros(4))
+
+
+def test_loss_and_gradient_match_hand_computation():
+    # three tokens: inside the clip range, clipped above (A > 0), truncated at the cap (A < 0)
+    logp_mu = torch.tensor([-1.0, -2.0, -3.0])
+    log_ratio = torch.tensor([0.1, 0.5, 1.5])  # ratios 1.105, 1.649, 4.48
+    logp = (logp_mu + log_ratio).clone().requires_grad_(True)
+    adv = torch.tensor([1.0, 2.0, -1.0])
+    w = torch.full((3,), 1 / 3)
+    loss, stats = policy_loss(logp, logp_mu, adv, w, eps_low=0.2, eps_high=0.2, ratio_cap=3.0)
+    r = [math.exp(0.1), math.exp(0.5), math.exp(1.5)]
+    # token 0: min(r*A, clip*A) = r*A (unclipped); token 1: clipped at 1.2 -> 2.4;
+    # token 2: A<0: min(r*A, clip(r)*A) = -4.48, then max(-4.48, 3*-1) = -3 (truncated)
+    expected = -(r[0] * 1.0 + 1.2 * 2.0 + -3.0) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    loss.backward()
+    # d/dlogp of -w*r*A = -w*A*r for the unclipped token, 0 for clipped/truncated ones
+    assert logp.grad.tolist() == pytest.approx([-r[0] / 3, 0.0, 0.0], rel=1e-6)
+    assert stats["clip_frac"] == pytest.approx(2 / 3)
+
+
+def test_negative_advantage_inside_range_has_gradient():
+    logp_mu = torch.tensor([-1.0])
+    logp = torch.tensor([-1.0 + math.log(0.9)], requires_grad=True)
+    loss, _ = policy_loss(logp, logp_mu, torch.tensor([-2.0]), torch.ones(1), 0.2, 0.2, 3.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(0.9 * 2.0)
+    assert float(logp.grad) == pytest.approx(2.0 * 0.9)  # pushing logp down lowers the loss
+
+
+def test_equal_reward_group_contributes_no_gradient():
+    adv = group_advantages(torch.tensor([[0.7, 0.7, 0.7]]))[0]
+    logp = torch.tensor([-0.5, -1.5, -2.5], requires_grad=True)
+    loss, _ = policy_loss(logp, logp.detach() - 0.1, adv, torch.full((3,), 1 / 3), 0.2, 0.28, 3.0)
+    loss.backward()
+    assert torch.count_nonzero(logp.grad) == 0
+
+
+def test_kl_penalty_k3():
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    ref = torch.tensor([-1.5, -1.0])
+    loss, stats = policy_loss(logp, logp.detach(), torch.zeros(2), torch.full((2,), 0.5), 0.2, 0.2, 3.0, ref, beta=0.1)
+    d = ref - logp.detach()
+    k3 = torch.exp(d) - d - 1
+    assert loss.item() == pytest.approx(float(0.1 * k3.mean()), rel=1e-6)
+    assert stats["kl_ref"] == pytest.approx(float(k3.mean()), rel=1e-6)

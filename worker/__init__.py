@@ -1,0 +1,1 @@
+"""The rollout worker: weight conversion for its engine, inference engines, and (soon) the daemon."""

@@ -1,0 +1,223 @@
+"""The llama.cpp engine: many sequences per decode call, sampling in our code.
+
+llama-cpp-python's high-level API decodes one sequence at a time and its logprobs path is slow. Here
+the low-level API decodes every live sequence of a wave in one `llama_decode` call: the G completions
+of a prompt share the prompt's KV cells (`llama_memory_seq_cp`), and tokens are drawn by
+`worker.sampling.sample_next`, which also gives the exact behaviour logprob of each token.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams
+from worker.gguf_writer import write_gguf
+from worker.sampling import sample_next
+
+log = logging.getLogger(__name__)
+
+
+@llama_cpp.llama_log_callback
+def _route_llamacpp_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    """Send llama.cpp's own messages to our logger: errors as errors, the rest as debug.
+
+    Its warnings are debug too: the one it always prints here says our unified KV cache (all sequences
+    of a wave together) is longer than the model's context, which is intended.
+    """
+    message = text.decode("utf-8", errors="replace").rstrip()
+    if message:  # ggml levels: 1 debug, 2 info, 3 warn, 4 error, 5 continuation
+        log.log(logging.ERROR if level == 4 else logging.DEBUG, "llama.cpp: %s", message)
+
+
+llama_cpp.llama_log_set(_route_llamacpp_log, ctypes.c_void_p(0))
+llama_cpp.llama_backend_init()
+
+
+class LlamaCppEngine:
+    """Generates groups of completions with llama.cpp from a GGUF file.
+
+    Waves: at most `max_batch` sequences are alive at once, so a wave holds floor(max_batch / G) prompt
+    groups. A wave prefills its prompts, copies each prompt's cache to its G sequences, then decodes one
+    token for every live sequence per call until all have stopped.
+    """
+
+    def __init__(self, work_dir: str | Path, threads: int = 2, max_batch: int = 32) -> None:
+        self.work_dir = Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.threads = threads
+        self.max_batch = max_batch
+        self.n_batch = 512  # tokens per llama_decode call during prefill
+        self.model: llama_cpp.llama_model_p | None = None
+        self.ctx: llama_cpp.llama_context_p | None = None
+        self.n_ctx = 0
+        self.n_vocab = 0
+        self.eos_ids: set[int] = set()
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def load_policy(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None:
+        """Convert float weights to an F16 GGUF in the work dir and load it."""
+        path = write_gguf(self.work_dir / "policy.gguf", spec, tensors)
+        self.load_gguf(path, spec.eos_ids)
+
+    def load_gguf(self, path: str | Path, eos_ids: Sequence[int]) -> None:
+        self.close()
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = 0
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        if not model:
+            raise RuntimeError(f"llama.cpp could not load {path}: is it a valid GGUF of a llama model?")
+        self.model = model
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+        self.eos_ids = set(eos_ids)
+
+    def close(self) -> None:
+        self._free_context()
+        if self.model is not None:
+            llama_cpp.llama_model_free(self.model)
+            self.model = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _free_context(self) -> None:
+        if self.ctx is not None:
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+            self.n_ctx = 0
+
+    def _ensure_context(self, n_ctx: int) -> None:
+        """(Re)create the context if the wave needs more KV cells than it has."""
+        if self.ctx is not None and self.n_ctx >= n_ctx:
+            return
+        self._free_context()
+        n_ctx = max(n_ctx, 512)
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = self.n_batch
+        params.n_ubatch = self.n_batch
+        params.n_seq_max = self.max_batch
+        params.n_threads = self.threads
+        params.n_threads_batch = self.threads
+        params.kv_unified = True  # one cache for all sequences, so a prompt's cells are shared, not copied
+        params.no_perf = True
+        ctx = llama_cpp.llama_init_from_model(self.model, params)
+        if not ctx:
+            raise RuntimeError(f"llama.cpp could not create a context of {n_ctx} tokens")
+        self.ctx, self.n_ctx = ctx, n_ctx
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]:
+        """Complete every request `group_size` times; returns one list of completions per request."""
+        if self.model is None:
+            raise RuntimeError("no policy loaded: call load_policy() first")
+        rng = np.random.default_rng(params.seed)
+        results: list[list[Completion]] = []
+        wave: list[GenerationRequest] = []
+        wave_seqs = 0
+        for request in requests:
+            if request.group_size > self.max_batch:
+                raise ValueError(f"group size {request.group_size} exceeds max_batch {self.max_batch}")
+            if wave_seqs + request.group_size > self.max_batch:
+                results.extend(self._generate_wave(wave, params, rng))
+                wave, wave_seqs = [], 0
+            wave.append(request)
+            wave_seqs += request.group_size
+        if wave:
+            results.extend(self._generate_wave(wave, params, rng))
+        return results
+
+    def _generate_wave(
+        self, wave: list[GenerationRequest], params: SamplingParams, rng: np.random.Generator
+    ) -> list[list[Completion]]:
+        n_seqs = sum(r.group_size for r in wave)
+        self._ensure_context(sum(len(r.prompt_ids) for r in wave) + n_seqs * params.max_new_tokens + 16)
+        memory = llama_cpp.llama_get_memory(self.ctx)
+        llama_cpp.llama_memory_clear(memory, True)
+
+        # Prefill: request k's prompt goes to sequence first_seq[k]; keep logits of its last token only.
+        first_seq = np.cumsum([0] + [r.group_size for r in wave[:-1]]).tolist()
+        flat = [
+            (tok, pos, first_seq[k], pos == len(r.prompt_ids) - 1)
+            for k, r in enumerate(wave)
+            for pos, tok in enumerate(r.prompt_ids)
+        ]
+        last_logits = []
+        for start in range(0, len(flat), self.n_batch):
+            last_logits.append(self._decode(flat[start : start + self.n_batch]))
+        prompt_logits = np.concatenate(last_logits)  # [len(wave), V] in request order
+
+        for k, r in enumerate(wave):
+            for j in range(1, r.group_size):
+                llama_cpp.llama_memory_seq_cp(memory, first_seq[k], first_seq[k] + j, -1, -1)
+
+        # The first token of every sequence comes from its prompt's logits.
+        rows = np.repeat(prompt_logits, [r.group_size for r in wave], axis=0)  # [n_seqs, V]
+        tokens, logprobs = sample_next(rows, params.temperature, params.top_p, rng)
+        seqs = [Completion(tokens=[], logprobs=[], finish_reason="length") for _ in range(n_seqs)]
+        positions = [len(r.prompt_ids) for r in wave for _ in range(r.group_size)]
+        alive = list(range(n_seqs))
+        while True:
+            still = []
+            for i, seq_id in enumerate(alive):
+                tok = int(tokens[i])
+                seqs[seq_id].tokens.append(tok)
+                seqs[seq_id].logprobs.append(float(logprobs[i]))
+                if tok in self.eos_ids:
+                    seqs[seq_id].finish_reason = "stop"
+                elif len(seqs[seq_id].tokens) < params.max_new_tokens:
+                    still.append(seq_id)
+                    continue
+                llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
+            alive = still
+            if not alive:
+                break
+            batch = [(seqs[s].tokens[-1], positions[s] + len(seqs[s].tokens) - 1, s, True) for s in alive]
+            logits = self._decode(batch)  # [len(alive), V]
+            tokens, logprobs = sample_next(logits, params.temperature, params.top_p, rng)
+
+        out, start = [], 0
+        for r in wave:
+            out.append(seqs[start : start + r.group_size])
+            start += r.group_size
+        return out
+
+    def logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """Next-token logits [T, V] at every position of one sequence (for checks against torch)."""
+        self._ensure_context(len(tokens) + 16)
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
+        entries = [(tok, pos, 0, True) for pos, tok in enumerate(tokens)]
+        return np.concatenate(
+            [self._decode(entries[s : s + self.n_batch]) for s in range(0, len(entries), self.n_batch)]
+        )
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> np.ndarray:
+        """Decode (token, position, sequence, wants_logits) entries in one call; return their logits."""
+        n = len(entries)
+        batch = llama_cpp.llama_batch_init(n, 0, 1)
+        try:
+            n_out = 0
+            for i, (tok, pos, seq, want) in enumerate(entries):
+                batch.token[i] = tok
+                batch.pos[i] = pos
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq
+                batch.logits[i] = want
+                n_out += want
+            batch.n_tokens = n
+            rc = llama_cpp.llama_decode(self.ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed with code {rc} (KV cache of {self.n_ctx} too small?)")
+            if n_out == 0:
+                return np.zeros((0, self.n_vocab), dtype=np.float32)
+            ptr = llama_cpp.llama_get_logits(self.ctx)
+            return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (n_out, self.n_vocab)).copy()
+        finally:
+            llama_cpp.llama_batch_free(batch)
