@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -130,3 +131,29 @@ def main() -> None:
     except KeyboardInterrupt:
         console.print("interrupted")
         sys.exit(130)
+
+
+@bench_app.command("broadcast")
+def bench_broadcast(
+    peers: int = typer.Option(8, "--peers", help="Peer processes besides the learner."),
+    size: float = typer.Option(64, "--size", help="Version size in MB (random bits, so incompressible)."),
+    learner_up: float = typer.Option(20, "--learner-up", help="Learner upload cap, Mbit/s."),
+    peer_up: float = typer.Option(20, "--peer-up", help="Peer upload cap, Mbit/s."),
+    peer_down: float = typer.Option(0, "--peer-down", help="Peer download cap, Mbit/s (0 = none)."),
+    mode: str = typer.Option("swarm", "--mode", help="swarm (peer-assisted) or star (learner to each peer)."),
+    chunk_mib: float = typer.Option(1.0, "--chunk-mib", help="Chunk size in MiB (1 to 4)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Seconds until N peer processes hold a verified version, against star and the bound T_min."""
+    from p2p.bench import run_broadcast_bench
+
+    if mode not in ("swarm", "star"):
+        raise fail(f"--mode must be swarm or star, got {mode!r}")
+    if peers < 1 or size <= 0 or learner_up <= 0 or peer_up <= 0 or not 1 <= chunk_mib <= 4:
+        raise fail("--peers >= 1, --size > 0, --learner-up > 0, --peer-up > 0 and 1 <= --chunk-mib <= 4 are required")
+    result = run_broadcast_bench(peers, size, learner_up, peer_up, peer_down or None, mode, chunk_mib)
+    if json_out:
+        print(json.dumps(result))
+        return
+    for key, value in result.items():
+        console.print(f"{key:>26}: {value}")

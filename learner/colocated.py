@@ -112,7 +112,7 @@ def train_colocated(cfg: LearnerConfig, engine: Sampler, resume: bool = False) -
             "accuracy": float(np.mean([r >= 1.0 for r in rewards])),
             "loss": stats["loss"],
             "kl": stats["kl_behaviour"],
-            "kl_ref": stats["kl_ref"] if "kl_ref" in stats else 0.0,
+            "kl_ref": stats["kl_ref"],
             "clip_frac": stats["clip_frac"],
             "grad_norm": stats["grad_norm"],
             "tokens": tokens,

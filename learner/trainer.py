@@ -50,13 +50,13 @@ class GRPOTrainer:
         if cfg.skip_equal_groups and cfg.beta == 0:
             rollouts = [r for r in rollouts if r.advantage != 0.0]
         rollouts = [r for r in rollouts if r.completion_ids]
+        sums = {"loss": 0.0, "clip_frac": 0.0, "kl_behaviour": 0.0, "ratio_mean": 0.0, "kl_ref": 0.0}
         if not rollouts:
-            return {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "kl_behaviour": 0.0, "trained_tokens": 0}
+            return {**sums, "grad_norm": 0.0, "trained_tokens": 0}
 
         total_tokens = sum(len(r.completion_ids) for r in rollouts)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = {"loss": 0.0, "clip_frac": 0.0, "kl_behaviour": 0.0, "ratio_mean": 0.0, "kl_ref": 0.0}
         for batch in micro_batches(rollouts, cfg.micro_batch_tokens):
             lengths = torch.tensor([len(r.completion_ids) for r in batch])  # [B]
             if cfg.loss_norm == "token":

@@ -1,0 +1,155 @@
+"""Broadcast benchmark: a learner and N peers as separate processes on 127.0.0.1 with capped bandwidth.
+
+The orchestrator (`run_broadcast_bench`) starts every node as `python -m p2p.bench node ...`, waits
+until all listen, tells all peers to start at once, and reports the seconds until the last peer holds
+the verified version, next to the star time N*M/u_s and the lower bound of design.md §4:
+    T_min = max(M / u_s, M / min_i d_i, N * M / (u_s + sum_i u_i)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+MBIT = 1e6 / 8  # bytes per second in one Mbit/s
+
+
+def t_min(m: float, learner_up: float, peer_up: float, peer_down: float | None, n: int) -> float:
+    return max(m / learner_up, m / peer_down if peer_down else 0.0, n * m / (learner_up + n * peer_up))
+
+
+def node_main(argv: list[str]) -> None:
+    """One node. Prints a JSON line when listening; peers fetch on `go`, print their result, exit on `stop`."""
+    p = argparse.ArgumentParser()
+    p.add_argument("role", choices=["seeder", "peer"])
+    p.add_argument("--size-mb", type=float, default=64)
+    p.add_argument("--up", type=float, default=None, help="upload cap, Mbit/s")
+    p.add_argument("--down", type=float, default=None, help="download cap, Mbit/s")
+    p.add_argument("--learner", default=None)
+    p.add_argument("--mode", choices=["star", "swarm"], default="swarm")
+    p.add_argument("--chunk-mib", type=float, default=1.0)
+    args = p.parse_args(argv)
+
+    import logging
+
+    import numpy as np
+    from libp2p.crypto.ed25519 import Ed25519PrivateKey
+
+    from p2p.broadcast import BroadcastPeer, ChunkStore, Seeder
+    from p2p.host import Host, HostConfig
+    from p2p.versions import build_version, rebuild_raw
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    config = HostConfig(
+        upload_bps=args.up * MBIT if args.up else None, download_bps=args.down * MBIT if args.down else None
+    )
+    key = Ed25519PrivateKey.new()
+    host = Host(key, config).start()
+    say = lambda **kw: print(json.dumps(kw), flush=True)  # noqa: E731
+    if args.role == "seeder":
+        rng = np.random.default_rng(0)  # random bits: the codec cannot shrink them, so M is the size asked for
+        n_words = int(args.size_mb * 1024 * 1024) // 2
+        tensors = {"weights": rng.integers(0, 2**16, n_words, dtype=np.uint16)}
+        pv, _ = build_version("bench", 1, tensors, {"weights": "bf16"}, chunk_size=int(args.chunk_mib * 1024 * 1024))
+        pv.manifest = pv.manifest.signed(key, host.peer_id)
+        Seeder(host, ChunkStore()).publish(pv)
+        say(ready=True, addr=host.addrs[0], payload_bytes=pv.manifest.payload_size, chunks=len(pv.chunks))
+        sys.stdin.readline()  # until stop
+        return
+    peer = BroadcastPeer(host, ChunkStore(), args.learner, per_peer_inflight=2)
+    if args.mode == "star":
+        peer.max_inflight = 1
+    peer.join()
+    say(ready=True, addr=host.addrs[0])
+    sys.stdin.readline()  # go
+    if args.mode == "swarm":
+        peer.join()  # everybody has joined by now: learn the full peer list
+    else:
+        peer.peers = {}  # star: the learner only
+    start = time.perf_counter()
+    manifest = peer.fetch_manifest()
+    chunks = peer.fetch(manifest, timeout=3600)
+    seconds = time.perf_counter() - start
+    rebuild_raw(manifest, chunks)  # raises unless every chunk and the whole are exact
+    say(done=True, seconds=seconds, verified=True, stats=peer.stats_dict())
+    sys.stdin.readline()  # stop: keep serving until every peer is done
+    host.stop()
+
+
+def run_broadcast_bench(
+    peers: int, size_mb: float, learner_up: float, peer_up: float, peer_down: float | None, mode: str, chunk_mib: float
+) -> dict[str, Any]:
+    node = [sys.executable, "-m", "p2p.bench", "node"]
+    procs: list[subprocess.Popen] = []
+
+    def spawn(args: list[str]) -> tuple[subprocess.Popen, dict]:
+        proc = subprocess.Popen(node + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench node {args[0]} exited before it was ready (code {proc.wait()})")
+        return proc, json.loads(line)
+
+    try:
+        caps = ["--down", str(peer_down)] if peer_down else []
+        seeder, info = spawn(
+            ["seeder", "--size-mb", str(size_mb), "--up", str(learner_up), "--chunk-mib", str(chunk_mib)]
+        )
+        workers = [
+            spawn(["peer", "--learner", info["addr"], "--up", str(peer_up), "--mode", mode, *caps])[0]
+            for _ in range(peers)
+        ]
+        start = time.perf_counter()
+        for w in workers:
+            w.stdin.write("go\n")
+            w.stdin.flush()
+        results = [json.loads(w.stdout.readline() or "{}") for w in workers]
+        wall = time.perf_counter() - start
+        if not all(r.get("verified") for r in results):
+            raise RuntimeError("a peer did not finish with a verified version")
+    finally:
+        for proc in procs:
+            try:
+                proc.stdin.write("stop\n")
+                proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    m = info["payload_bytes"]
+    bound = t_min(m, learner_up * MBIT, peer_up * MBIT, peer_down * MBIT if peer_down else None, peers)
+    star = peers * m / (learner_up * MBIT)
+    learner_chunks = sum(r["stats"].get("from_learner", 0) for r in results)
+    return {
+        "mode": mode,
+        "peers": peers,
+        "payload_mb": round(m / 2**20, 2),
+        "chunks": info["chunks"],
+        "learner_up_mbit": learner_up,
+        "peer_up_mbit": peer_up,
+        "peer_down_mbit": peer_down,
+        "seconds": round(wall, 2),
+        "slowest_peer_s": round(max(r["seconds"] for r in results), 2),
+        "t_min_s": round(bound, 2),
+        "star_s": round(star, 2),
+        "vs_t_min": round(wall / bound, 3),
+        "speedup_vs_star": round(star / wall, 2),
+        "learner_uploads_per_chunk": round(learner_chunks / info["chunks"], 2),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "node":
+        node_main(sys.argv[2:])
+    else:
+        sys.exit("usage: python -m p2p.bench node seeder|peer ... (started by `echo-rl bench broadcast`)")

@@ -1,0 +1,348 @@
+"""Peer-assisted pipelined broadcast of policy versions (design.md §4).
+
+The learner (seeder) holds every chunk of a version. Each peer fetches chunks from the learner and
+from other peers at once, and serves every chunk it holds while it is still downloading:
+
+- the learner's upload is spread: peer of rank r (in the sorted peer list) asks the learner first for
+  the chunks i with i % n_peers == r, so each chunk leaves the learner about once;
+- everything else comes from peers, rarest chunk first (fewest holders in the have-maps), with a
+  bounded number of requests in flight per peer;
+- a chunk whose hash does not match is thrown away, the peer that served it is penalised (avoided
+  after PENALTY_LIMIT), and the chunk is fetched elsewhere; a peer that resets or times out is
+  skipped for a while.
+
+Have-maps travel both ways in one /echo/have/1 request: the asker sends its map and gets the other's.
+
+Protocols: /echo/manifest/1 (newest or given version), /echo/chunk/1, /echo/have/1, /echo/join/1
+(register with the learner, get the peer list).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from p2p.codec import sha256
+from p2p.host import BadRequest, Host, PeerUnavailable, RemoteError
+from p2p.manifest import Manifest
+from p2p.versions import PolicyVersion
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "/echo/manifest/1"
+CHUNK = "/echo/chunk/1"
+HAVE = "/echo/have/1"
+JOIN = "/echo/join/1"
+
+PENALTY_LIMIT = 3  # bad chunks after which a peer is no longer asked
+DEAD_FOR = 5.0  # seconds a peer that failed a request is skipped
+HAVE_REFRESH = 0.3  # seconds between have-map exchanges with each peer
+IDLE_BEFORE_STEALING = 2.0  # seconds with nothing to fetch before asking the learner for another's share
+
+
+def bitmap(indices: set[int], n: int) -> bytes:
+    out = bytearray((n + 7) // 8)
+    for i in indices:
+        out[i // 8] |= 1 << (i % 8)
+    return bytes(out)
+
+
+def from_bitmap(data: bytes, n: int) -> set[int]:
+    if len(data) != (n + 7) // 8:
+        raise BadRequest(f"have-map of {len(data)} bytes for {n} chunks")
+    return {i for i in range(n) if data[i // 8] >> (i % 8) & 1}
+
+
+class ChunkStore:
+    """Verified chunks by (version, index): in memory up to `memory_budget` bytes, then spilled to disk."""
+
+    def __init__(self, spill_dir: str | Path | None = None, memory_budget: int = 1 << 30) -> None:
+        self.spill_dir = Path(spill_dir) if spill_dir else None
+        self.memory_budget = memory_budget
+        self.memory_used = 0
+        self.manifests: dict[int, Manifest] = {}
+        self._memory: dict[tuple[int, int], bytes] = {}
+        self._on_disk: set[tuple[int, int]] = set()
+        self._lock = threading.Lock()
+
+    def add_manifest(self, manifest: Manifest) -> None:
+        with self._lock:
+            self.manifests.setdefault(manifest.version, manifest)
+
+    def put(self, version: int, index: int, data: bytes) -> None:
+        with self._lock:
+            key = (version, index)
+            if key in self._memory or key in self._on_disk:
+                return
+            if self.spill_dir is not None and self.memory_used + len(data) > self.memory_budget:
+                path = self.spill_dir / f"v{version}" / f"{index:06d}.chunk"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+                self._on_disk.add(key)
+            else:
+                self._memory[key] = data
+                self.memory_used += len(data)
+
+    def get(self, version: int, index: int) -> bytes | None:
+        key = (version, index)
+        with self._lock:
+            if key in self._memory:
+                return self._memory[key]
+            on_disk = key in self._on_disk
+        if on_disk and self.spill_dir is not None:
+            return (self.spill_dir / f"v{version}" / f"{index:06d}.chunk").read_bytes()
+        return None
+
+    def held(self, version: int) -> set[int]:
+        with self._lock:
+            return {i for v, i in list(self._memory) + list(self._on_disk) if v == version}
+
+    def add_version(self, pv: PolicyVersion) -> None:
+        self.add_manifest(pv.manifest)
+        for i, chunk in enumerate(pv.chunks):
+            self.put(pv.manifest.version, i, chunk)
+
+    def drop(self, version: int) -> None:
+        with self._lock:
+            for key in [k for k in self._memory if k[0] == version]:
+                self.memory_used -= len(self._memory.pop(key))
+            for key in [k for k in self._on_disk if k[0] == version]:
+                self._on_disk.discard(key)
+                if self.spill_dir is not None:
+                    (self.spill_dir / f"v{key[0]}" / f"{key[1]:06d}.chunk").unlink(missing_ok=True)
+            self.manifests.pop(version, None)
+
+
+class ChunkServer:
+    """Serves the manifests and chunks of a ChunkStore, and trades have-maps with peers."""
+
+    def __init__(self, host: Host, store: ChunkStore) -> None:
+        self.host = host
+        self.store = store
+        self.peer_have: dict[str, dict[int, set[int]]] = defaultdict(dict)  # peer -> version -> chunks
+        host.handle(MANIFEST, self._on_manifest)
+        host.handle(CHUNK, self._on_chunk)
+        host.handle(HAVE, self._on_have)
+
+    def _on_manifest(self, peer: str, msg: dict) -> dict:
+        versions = self.store.manifests
+        if not versions:
+            raise BadRequest("no version published yet")
+        version = msg.get("version")
+        if version is None:
+            version = max(versions)
+        if not isinstance(version, int) or version not in versions:
+            raise BadRequest(f"version {version!r} is not held here")
+        return {"manifest": versions[version].to_dict()}
+
+    def _on_chunk(self, peer: str, msg: dict) -> dict:
+        version, index = msg.get("version"), msg.get("index")
+        if not isinstance(version, int) or not isinstance(index, int):
+            raise BadRequest("chunk request needs integer version and index")
+        data = self.store.get(version, index)
+        if data is None:
+            raise BadRequest(f"chunk {index} of version {version} is not held here")
+        return {"data": data}
+
+    def _on_have(self, peer: str, msg: dict) -> dict:
+        version = msg.get("version")
+        manifest = self.store.manifests.get(version) if isinstance(version, int) else None
+        if manifest is None:
+            return {"have": None}
+        n = len(manifest.chunks)
+        if isinstance(msg.get("have"), bytes):
+            self.peer_have[peer][version] = from_bitmap(msg["have"], n)
+        return {"have": bitmap(self.store.held(version), n)}
+
+
+class Seeder(ChunkServer):
+    """The learner's side: holds whole versions and the registry of peers that joined."""
+
+    def __init__(self, host: Host, store: ChunkStore) -> None:
+        super().__init__(host, store)
+        self.peers: dict[str, list[str]] = {}  # peer id -> its multiaddrs
+        host.handle(JOIN, self._on_join)
+
+    def publish(self, pv: PolicyVersion) -> None:
+        self.store.add_version(pv)
+
+    def _on_join(self, peer: str, msg: dict) -> dict:
+        addrs = msg.get("addrs")
+        if not isinstance(addrs, list) or not all(isinstance(a, str) and a.startswith("/") for a in addrs):
+            raise BadRequest("join needs the list of the peer's multiaddrs")
+        self.peers[peer] = addrs[:8]
+        return {"peers": {p: a for p, a in self.peers.items() if p != peer}}
+
+
+class BroadcastPeer(ChunkServer):
+    """A worker's side: joins a learner, then fetches versions from the learner and its peers."""
+
+    def __init__(
+        self, host: Host, store: ChunkStore, learner: str, max_inflight: int = 6, per_peer_inflight: int = 2
+    ) -> None:
+        super().__init__(host, store)
+        self.learner_addr = learner
+        self.learner = learner.rsplit("/p2p/", 1)[-1]
+        self.max_inflight = max_inflight
+        self.per_peer_inflight = per_peer_inflight
+        self.peers: dict[str, list[str]] = {}
+        self.penalties: dict[str, int] = defaultdict(int)
+        self.dead_until: dict[str, float] = {}
+        self.stats: dict[str, int] = defaultdict(int)  # chunks by source, bad chunks, failures
+        self._last_join = 0.0
+        self._idle_since: float | None = None
+
+    def join(self, timeout: float = 10.0) -> None:
+        """Register with the learner and connect to the peers it knows."""
+        reply = self.host.request(self.learner_addr, JOIN, {"addrs": self.host.addrs}, timeout=timeout)
+        self.refresh_peers(reply.get("peers", {}))
+
+    def refresh_peers(self, peers: dict[str, list[str]]) -> None:
+        for peer, addrs in peers.items():
+            if peer == self.host.peer_id or peer in self.peers:
+                continue
+            for addr in addrs:
+                try:
+                    self.host.connect(addr, timeout=5)
+                    self.peers[peer] = addrs
+                    break
+                except PeerUnavailable:
+                    continue
+
+    def fetch_manifest(self, version: int | None = None, timeout: float = 10.0) -> Manifest:
+        reply = self.host.request(self.learner, MANIFEST, {"version": version}, timeout=timeout)
+        manifest = Manifest.from_dict(reply["manifest"])
+        manifest.verify(self.learner)
+        self.store.add_manifest(manifest)
+        return manifest
+
+    def _alive(self, peer: str) -> bool:
+        return self.dead_until.get(peer, 0.0) < time.monotonic() and self.penalties[peer] < PENALTY_LIMIT
+
+    def fetch(self, manifest: Manifest, timeout: float = 600.0) -> list[bytes]:
+        """Download every chunk of `manifest` (already verified), serving what we hold meanwhile."""
+        version, n = manifest.version, len(manifest.chunks)
+        self.store.add_manifest(manifest)
+        deadline = time.monotonic() + timeout
+        inflight: dict[int, str] = {}
+        per_peer: dict[str, int] = defaultdict(int)
+        failed: set[tuple[int, str]] = set()
+        done = threading.Condition()
+        rng = random.Random(self.host.peer_id)
+
+        def rank_share() -> set[int]:
+            ranked = sorted([*self.peers, self.host.peer_id])
+            r, k = ranked.index(self.host.peer_id), len(ranked)
+            return {i for i in range(n) if i % k == r}
+
+        share = rank_share()
+        last_have = 0.0
+        with ThreadPoolExecutor(max_workers=self.max_inflight + 2, thread_name_prefix="fetch") as pool:
+            have_future: Future | None = None
+            while True:
+                held = self.store.held(version)
+                if len(held) == n:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"version {version}: {len(held)}/{n} chunks after {timeout}s")
+                if (have_future is None or have_future.done()) and time.monotonic() - last_have > HAVE_REFRESH:
+                    last_have = time.monotonic()
+                    have_future = pool.submit(self._exchange_have_maps, version, n, held)
+
+                with done:
+                    for index, source in self._choose(version, n, held, inflight, per_peer, failed, share, rng):
+                        inflight[index] = source
+                        per_peer[source] += 1
+                        pool.submit(self._fetch_one, manifest, index, source, inflight, per_peer, failed, done)
+                    done.wait(0.05)
+        return [self.store.get(version, i) or b"" for i in range(n)]
+
+    def _choose(self, version, n, held, inflight, per_peer, failed, share, rng):
+        """Pick (chunk, source) pairs for the free request slots: rarest first from peers, else the learner."""
+        slots = self.max_inflight - len(inflight)
+        if slots <= 0:
+            return []
+        holders: dict[int, list[str]] = defaultdict(list)
+        for peer, maps in list(self.peer_have.items()):
+            if peer != self.learner and peer in self.peers and self._alive(peer):
+                for i in maps.get(version, ()):
+                    holders[i].append(peer)
+        wanted = [i for i in range(n) if i not in held and i not in inflight]
+        rng.shuffle(wanted)  # ties broken differently by every peer
+        picks = []
+        # 1. chunks some peer holds, rarest first
+        for i in sorted((i for i in wanted if holders[i]), key=lambda i: len(holders[i])):
+            free = [p for p in holders[i] if per_peer[p] < self.per_peer_inflight and (i, p) not in failed]
+            if free and len(picks) < slots:
+                source = min(free, key=lambda p: per_peer[p])
+                picks.append((i, source))
+                per_peer[source] += 1  # so the next pick sees it; undone below
+        for _, source in picks:
+            per_peer[source] -= 1
+        # 2. from the learner, one at a time: our share first; another's share only if its owner is gone,
+        #    or if we have been idle a while (its owner may be slow), so each chunk leaves the learner ~once
+        if per_peer[self.learner] == 0 and len(picks) < slots and self._alive(self.learner):
+            ranked = sorted([*self.peers, self.host.peer_id])
+            idle = not picks and len(inflight) == 0
+            self._idle_since = (self._idle_since or time.monotonic()) if idle else None
+            waited = self._idle_since is not None and time.monotonic() - self._idle_since > IDLE_BEFORE_STEALING
+            rest = [i for i in wanted if not holders[i] and (i, self.learner) not in failed]
+            mine = [i for i in rest if i in share]
+            orphans = [i for i in rest if not self._alive(ranked[i % len(ranked)])]
+            choice = (mine or orphans or (rest if waited else []))[:1]
+            picks += [(i, self.learner) for i in choice if all(i != p[0] for p in picks)]
+        return picks
+
+    def _fetch_one(self, manifest, index, source, inflight, per_peer, failed, done) -> None:
+        version = manifest.version
+        digest, size = manifest.chunks[index]
+        try:
+            data = self.host.request(source, CHUNK, {"version": version, "index": index}, timeout=60)["data"]
+            if not isinstance(data, bytes) or len(data) != size or sha256(data) != digest:
+                self.penalties[source] += 1
+                self.stats["bad_chunks"] += 1
+                failed.add((index, source))
+                log.warning("chunk %d of v%d from %s failed its hash check; penalised", index, version, source[-8:])
+            else:
+                self.store.put(version, index, data)
+                self.stats["from_learner" if source == self.learner else "from_peers"] += 1
+        except RemoteError:
+            failed.add((index, source))  # the peer does not hold it (any more)
+        except PeerUnavailable as exc:
+            self.stats["failures"] += 1
+            self.dead_until[source] = time.monotonic() + DEAD_FOR
+            log.info("chunk %d from %s: %s", index, source[-8:], exc)
+        finally:
+            with done:
+                inflight.pop(index, None)
+                per_peer[source] -= 1
+                done.notify_all()
+
+    def _exchange_have_maps(self, version: int, n: int, held: set[int]) -> None:
+        mine = bitmap(held, n)
+        for peer in list(self.peers):
+            if not self._alive(peer):
+                continue
+            try:
+                reply = self.host.request(peer, HAVE, {"version": version, "have": mine}, timeout=5)
+                if isinstance(reply.get("have"), bytes):
+                    self.peer_have[peer][version] = from_bitmap(reply["have"], n)
+            except (PeerUnavailable, RemoteError, BadRequest):
+                self.dead_until[peer] = time.monotonic() + DEAD_FOR
+        if time.monotonic() - self._last_join > 2.0:  # learn about peers that joined after us
+            self._last_join = time.monotonic()
+            try:
+                self.refresh_peers(
+                    self.host.request(self.learner, JOIN, {"addrs": self.host.addrs}, timeout=5)["peers"]
+                )
+            except (PeerUnavailable, RemoteError):
+                pass
+
+    def stats_dict(self) -> dict[str, Any]:
+        return dict(self.stats)

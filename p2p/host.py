@@ -1,0 +1,371 @@
+"""A libp2p host in its own thread, with a blocking API for ordinary threads.
+
+This is the only module that imports trio or libp2p. The host speaks TCP with Noise (nothing else:
+no plaintext, no secio, no TLS fallback) and yamux; identify and ping stay on so that other libp2p
+implementations can talk to it. Requests are one frame each way on a fresh stream (see p2p.wire).
+
+Handlers are plain functions `handler(peer_id, message) -> reply` run in worker threads. A handler
+that raises `BadRequest` sends the peer an error reply; any other exception resets the stream and is
+logged. Nothing a handler does can stop the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.crypto.ed25519 import Ed25519PrivateKey
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+
+from p2p.wire import DEFAULT_MAX_FRAME, HEADER, FrameError, decode_body, encode_frame, parse_header
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[str, dict[str, Any]], dict[str, Any]]
+
+
+class PeerUnavailable(Exception):
+    """Retryable: the peer could not be dialled, reset the stream, sent garbage, or did not answer in time."""
+
+
+class RemoteError(Exception):
+    """The peer answered with an error (it refused our request); retrying the same request will not help."""
+
+
+class BadRequest(Exception):
+    """Raised by a handler to refuse a request; the message goes back to the peer as an error reply."""
+
+
+class IdentityError(ValueError):
+    """An identity file that cannot be used."""
+
+
+def load_identity(path: str | Path) -> Ed25519PrivateKey:
+    """Load the ed25519 key in `path`, or create it (mode 0600) if the file does not exist."""
+    path = Path(path).expanduser()
+    if path.exists():
+        data = path.read_bytes()
+        try:
+            return Ed25519PrivateKey.from_bytes(data)
+        except Exception:  # noqa: BLE001 - any decoding failure means the same thing to the user
+            raise IdentityError(
+                f"identity file {path} is not an ed25519 key ({len(data)} bytes); move it away to create a new one"
+            ) from None
+    key = Ed25519PrivateKey.new()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key.to_bytes())
+    os.replace(tmp, path)
+    return key
+
+
+def peer_id_of(key: Ed25519PrivateKey) -> str:
+    return ID.from_pubkey(key.get_public_key()).to_base58()
+
+
+def verify_signature(peer_id: str, data: bytes, signature: bytes) -> bool:
+    """True if `signature` over `data` was made by the key behind `peer_id` (an ed25519 peer id)."""
+    try:
+        public_key = ID.from_base58(peer_id).extract_public_key()
+        return public_key is not None and public_key.verify(data, signature)
+    except Exception:  # noqa: BLE001 - a malformed id or signature is simply not valid
+        return False
+
+
+class TokenBucket:
+    """Caps a byte rate: `take(n)` waits until n bytes fit. Pieces of 16 KiB under a FIFO lock, so
+    concurrent streams share the rate fairly."""
+
+    PIECE = 16 * 1024
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.rate = bytes_per_s
+        self.tokens = float(self.PIECE)
+        self.stamp = trio.current_time()
+        self.lock = trio.Lock()
+
+    async def take(self, n: int) -> None:
+        while n > 0:
+            piece = min(n, self.PIECE)
+            async with self.lock:
+                now = trio.current_time()
+                self.tokens = min(self.tokens + (now - self.stamp) * self.rate, 4 * self.PIECE)
+                self.stamp = now
+                if self.tokens < piece:
+                    await trio.sleep((piece - self.tokens) / self.rate)
+                    self.tokens, self.stamp = float(piece), trio.current_time()
+                self.tokens -= piece
+            n -= piece
+
+
+@dataclass
+class HostConfig:
+    """How a host listens and what it allows itself."""
+
+    listen: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    """Listen multiaddrs; port 0 picks a free port."""
+    upload_bps: float | None = None
+    """Cap on bytes/s sent (bandwidth emulation); None = no cap."""
+    download_bps: float | None = None
+    """Cap on bytes/s received; None = no cap."""
+    max_frame: int = DEFAULT_MAX_FRAME
+    """Largest frame accepted from a peer, in bytes."""
+    start_timeout: float = 20.0
+    """Seconds to wait for the host to listen."""
+
+
+class Host:
+    """A libp2p host running in a background thread; every public method is safe from any other thread."""
+
+    def __init__(self, key: Ed25519PrivateKey, config: HostConfig | None = None) -> None:
+        self.key = key
+        self.config = config or HostConfig()
+        self.peer_id = peer_id_of(key)
+        self.addrs: list[str] = []
+        self._handlers: dict[str, Handler] = {}
+        self._subscribers: dict[str, list[Callable[[str, bytes], None]]] = {}
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._thread_main, name=f"p2p-{self.peer_id[-6:]}", daemon=True)
+        self._host: Any = None
+        self._pubsub: Any = None
+        self._stop: trio.Event | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> Host:
+        self._thread.start()
+        if not self._ready.wait(self.config.start_timeout):
+            raise PeerUnavailable(f"libp2p host did not start listening within {self.config.start_timeout}s")
+        if self._error is not None:
+            raise PeerUnavailable(f"libp2p host failed to start: {self._error}") from self._error
+        return self
+
+    def stop(self) -> None:
+        if self._token is not None and self._stop is not None:
+            try:
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            except trio.RunFinishedError:
+                pass
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> Host:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _thread_main(self) -> None:
+        try:
+            trio.run(self._main)
+        except BaseException as exc:  # noqa: BLE001 - reported to start(), or logged if it happens later
+            self._error = exc
+            if not self._ready.is_set():
+                self._ready.set()
+            else:
+                log.exception("libp2p host %s stopped", self.peer_id)
+
+    async def _main(self) -> None:
+        from libp2p.pubsub.gossipsub import PROTOCOL_ID as GOSSIPSUB_ID
+        from libp2p.pubsub.gossipsub import GossipSub
+        from libp2p.pubsub.pubsub import Pubsub
+        from libp2p.tools.anyio_service.context import background_trio_service
+
+        key_pair = KeyPair(self.key, self.key.get_public_key())
+        noise = NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)
+        listen = [multiaddr.Multiaddr(a) for a in self.config.listen]
+        host = new_host(
+            key_pair=key_pair,
+            muxer_preference="YAMUX",
+            sec_opt={NOISE_PROTOCOL_ID: noise},  # Noise only: plaintext and secio peers are refused
+            listen_addrs=listen,
+        )
+        self._host = host
+        self._stop = trio.Event()
+        self._up = TokenBucket(self.config.upload_bps) if self.config.upload_bps else None
+        self._down = TokenBucket(self.config.download_bps) if self.config.download_bps else None
+        gossipsub = GossipSub(protocols=[GOSSIPSUB_ID], degree=6, degree_low=4, degree_high=12, heartbeat_interval=1)
+        pubsub = Pubsub(host, gossipsub, strict_signing=True)
+        async with host.run(listen_addrs=listen):
+            async with background_trio_service(pubsub), background_trio_service(gossipsub):
+                await pubsub.wait_until_ready()
+                self._pubsub = pubsub
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    self._token = trio.lowlevel.current_trio_token()
+                    self.addrs = [f"{a}" if "/p2p/" in str(a) else f"{a}/p2p/{self.peer_id}" for a in host.get_addrs()]
+                    self._ready.set()
+                    await self._stop.wait()
+                    nursery.cancel_scope.cancel()
+
+    # -- calls into the trio thread ---------------------------------------------------------------
+
+    def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._token is None:
+            raise PeerUnavailable("host is not running")
+        try:
+            return trio.from_thread.run(fn, *args, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise PeerUnavailable("host has stopped") from None
+
+    def connect(self, addr: str, timeout: float = 10.0) -> str:
+        """Dial a full multiaddr (ending in /p2p/PEER_ID); returns the peer id."""
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(f"{addr!r} is not a multiaddr ending in /p2p/PEER_ID ({exc})") from None
+
+        async def dial() -> None:
+            with trio.fail_after(timeout):
+                await self._host.connect(info)
+
+        try:
+            self._run(dial)
+        except (trio.TooSlowError, OSError, Exception) as exc:
+            if isinstance(exc, PeerUnavailable):
+                raise
+            raise PeerUnavailable(f"cannot reach {addr}: {type(exc).__name__}: {exc}") from None
+        return info.peer_id.to_base58()
+
+    def connected_peers(self) -> list[str]:
+        return [p.to_base58() for p in self._host.get_network().connections]
+
+    def request(self, peer: str, protocol: str, message: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+        """Send one frame to `peer` (a peer id we are connected to, or a full multiaddr) and return its reply.
+
+        Raises PeerUnavailable (retryable) or RemoteError (the peer refused).
+        """
+        if peer.startswith("/"):
+            peer = self.connect(peer, timeout)
+        frame = encode_frame(message)
+
+        async def call() -> dict[str, Any]:
+            with trio.fail_after(timeout):
+                stream = await self._host.new_stream(ID.from_base58(peer), [TProtocol(protocol)])
+                try:
+                    await self._write(stream, frame)
+                    reply = await self._read(stream)
+                finally:
+                    await _close_quietly(stream)
+                return reply
+
+        try:
+            reply = self._run(call)
+        except PeerUnavailable:
+            raise
+        except trio.TooSlowError:
+            raise PeerUnavailable(f"{protocol} to {peer[-8:]} timed out after {timeout}s") from None
+        except Exception as exc:  # noqa: BLE001 - resets, dial errors, frame errors: all retryable elsewhere
+            raise PeerUnavailable(f"{protocol} to {peer[-8:]} failed: {type(exc).__name__}: {exc}") from None
+        if "error" in reply:
+            raise RemoteError(str(reply["error"]))
+        return reply
+
+    def handle(self, protocol: str, handler: Handler) -> None:
+        """Serve `protocol` with `handler(peer_id, message) -> reply`, run in a worker thread."""
+        self._handlers[protocol] = handler
+
+        async def on_stream(stream: Any) -> None:
+            peer = stream.muxed_conn.peer_id.to_base58()
+            try:
+                message = await self._read(stream)
+                try:
+                    reply = await trio.to_thread.run_sync(handler, peer, message)
+                except BadRequest as exc:
+                    reply = {"error": str(exc)}
+                await self._write(stream, encode_frame(reply))
+                await stream.close()
+            except Exception as exc:  # noqa: BLE001 - nothing a peer sends may end the host
+                log.warning("%s from %s: %s: %s; stream reset", protocol, peer[-8:], type(exc).__name__, exc)
+                await _reset_quietly(stream)
+
+        self._run_sync(self._host.set_stream_handler, TProtocol(protocol), on_stream)
+
+    def _run_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._token is None:
+            raise PeerUnavailable("host is not running")
+        return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+
+    # -- announcements ------------------------------------------------------------------------------
+
+    def publish(self, topic: str, data: bytes) -> None:
+        """Announce `data` (small: GossipSub drops silently under load, so receivers must pull on a miss)."""
+        self._run(self._pubsub.publish, topic, data)
+
+    def subscribe(self, topic: str, callback: Callable[[str, bytes], None]) -> None:
+        """Call `callback(sender_peer_id, data)` in a worker thread for every message on `topic`."""
+
+        async def subscribe_and_listen() -> None:
+            subscription = await self._pubsub.subscribe(topic)
+
+            async def listen() -> None:
+                while True:
+                    msg = await subscription.get()
+                    sender = ID(msg.from_id).to_base58()
+                    try:
+                        await trio.to_thread.run_sync(callback, sender, bytes(msg.data))
+                    except Exception:  # noqa: BLE001
+                        log.exception("subscriber of %s failed", topic)
+
+            self._nursery.start_soon(listen)
+
+        self._run(subscribe_and_listen)
+
+    # -- frames with bandwidth caps -------------------------------------------------------------------
+
+    async def _write(self, stream: Any, frame: bytes) -> None:
+        if self._up is None:
+            await stream.write(frame)
+            return
+        for start in range(0, len(frame), TokenBucket.PIECE):
+            piece = frame[start : start + TokenBucket.PIECE]
+            await self._up.take(len(piece))
+            await stream.write(piece)
+
+    async def _read(self, stream: Any) -> dict[str, Any]:
+        length, flags = parse_header(await self._read_exactly(stream, HEADER.size), self.config.max_frame)
+        return decode_body(await self._read_exactly(stream, length), flags, self.config.max_frame)
+
+    async def _read_exactly(self, stream: Any, n: int) -> bytes:
+        parts, got = [], 0
+        while got < n:
+            want = min(n - got, TokenBucket.PIECE)
+            if self._down is not None:
+                await self._down.take(want)
+            data = await stream.read(want)
+            if not data:
+                raise FrameError(f"stream ended after {got} of {n} bytes")
+            parts.append(data)
+            got += len(data)
+        return b"".join(parts)
+
+
+async def _close_quietly(stream: Any) -> None:
+    try:
+        await stream.close()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+async def _reset_quietly(stream: Any) -> None:
+    try:
+        await stream.reset()
+    except Exception:  # noqa: BLE001
+        pass

@@ -1,0 +1,70 @@
+"""Building a policy version (manifest + chunks) from tensors, and rebuilding tensors from chunks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from p2p.codec import DEFAULT_CHUNK, CodecError, decode, encode, layout, sha256, split_chunks, unlayout
+from p2p.manifest import Manifest
+
+
+@dataclass
+class PolicyVersion:
+    """A signed manifest and the chunks of its encoded payload."""
+
+    manifest: Manifest
+    chunks: list[bytes]
+
+
+def build_version(
+    run_id: str,
+    version: int,
+    tensors: Mapping[str, np.ndarray],
+    dtypes: Mapping[str, str] | None = None,
+    base: tuple[int, bytes] | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> tuple[PolicyVersion, bytes]:
+    """Encode `tensors` as a full snapshot, or as a delta against `base` = (base version, base raw bytes).
+
+    Returns the (unsigned) version and the raw bytes, which the caller keeps as the next delta's base.
+    """
+    entries, raw = layout(tensors, dtypes)
+    payload = encode(raw, None if base is None else base[1])
+    chunks = split_chunks(payload, chunk_size)
+    manifest = Manifest(
+        run_id=run_id,
+        version=version,
+        base_version=None if base is None else base[0],
+        base_sha256=None if base is None else sha256(base[1]),
+        codec="full-zstd" if base is None else "xor-zstd",
+        tensors=entries,
+        chunks=[(sha256(c), len(c)) for c in chunks],
+        raw_size=len(raw),
+        weights_sha256=sha256(raw),
+    )
+    return PolicyVersion(manifest, chunks), raw
+
+
+def rebuild_raw(manifest: Manifest, chunks: list[bytes], base_raw: bytes | None = None) -> bytes:
+    """Check every chunk and the result against the manifest; return the raw weights bytes."""
+    if len(chunks) != len(manifest.chunks):
+        raise CodecError(f"have {len(chunks)} chunks, manifest lists {len(manifest.chunks)}")
+    for i, (chunk, (digest, size)) in enumerate(zip(chunks, manifest.chunks, strict=True)):
+        if len(chunk) != size or sha256(chunk) != digest:
+            raise CodecError(f"chunk {i} does not match its hash")
+    if manifest.base_version is not None:
+        if base_raw is None:
+            raise CodecError(f"version {manifest.version} is a delta on version {manifest.base_version}: base needed")
+        if sha256(base_raw) != manifest.base_sha256:
+            raise CodecError(f"version {manifest.version} must be applied to a different base")
+    raw = decode(b"".join(chunks), manifest.raw_size, base_raw if manifest.base_version is not None else None)
+    if sha256(raw) != manifest.weights_sha256:
+        raise CodecError(f"version {manifest.version} rebuilt to the wrong weights (hash mismatch)")
+    return raw
+
+
+def tensors_of(manifest: Manifest, raw: bytes) -> dict[str, np.ndarray]:
+    return unlayout(manifest.tensors, raw)

@@ -1,0 +1,258 @@
+"""The swarm layer with real libp2p hosts on 127.0.0.1."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from libp2p.crypto.ed25519 import Ed25519PrivateKey
+
+from p2p.broadcast import CHUNK, BroadcastPeer, ChunkServer, ChunkStore, Seeder
+from p2p.codec import CodecError, bf16_bits, bf16_to_f32
+from p2p.host import BadRequest, Host, HostConfig, IdentityError, PeerUnavailable, RemoteError, load_identity
+from p2p.manifest import Manifest, ManifestError
+from p2p.versions import build_version, rebuild_raw, tensors_of
+from p2p.wire import FrameError, decode_body, encode_frame, parse_header
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def hosts():
+    started = []
+
+    def make(config=None):
+        h = Host(Ed25519PrivateKey.new(), config).start()
+        started.append(h)
+        return h
+
+    yield make
+    for h in started:
+        h.stop()
+
+
+def random_version(key, signer, mb=3.0, version=1, seed=0):
+    rng = np.random.default_rng(seed)
+    tensors = {
+        "w": rng.integers(0, 2**16, int(mb * 2**20) // 2, dtype=np.uint16),
+        "b": rng.normal(size=7).astype(np.float32),
+    }
+    pv, raw = build_version("run", version, tensors, {"w": "bf16"}, chunk_size=2**20)
+    pv.manifest = pv.manifest.signed(key, signer)
+    return pv, raw
+
+
+def test_request_reply_errors_and_a_crashing_handler(hosts):
+    a, b = hosts(), hosts()
+
+    def handler(peer, msg):
+        if msg.get("crash"):
+            raise RuntimeError("handler bug")
+        if msg.get("refuse"):
+            raise BadRequest("no thanks")
+        return {"echo": msg["x"], "peer": peer}
+
+    a.handle("/echo/test/1", handler)
+    assert b.request(a.addrs[0], "/echo/test/1", {"x": 1}) == {"echo": 1, "peer": b.peer_id}
+    with pytest.raises(PeerUnavailable):
+        b.request(a.peer_id, "/echo/test/1", {"crash": True}, timeout=5)
+    with pytest.raises(RemoteError, match="no thanks"):
+        b.request(a.peer_id, "/echo/test/1", {"refuse": True}, timeout=5)
+    big = os.urandom(3_000_000)
+    assert b.request(a.peer_id, "/echo/test/1", {"x": big})["echo"] == big  # the host survived
+    with pytest.raises(PeerUnavailable):
+        b.request(a.peer_id, "/echo/unknown/1", {}, timeout=5)
+
+
+def test_oversized_frame_is_refused(hosts):
+    a = hosts(HostConfig(max_frame=1000))
+    b = hosts()
+    a.handle("/echo/test/1", lambda peer, msg: {"ok": True})
+    assert b.request(a.addrs[0], "/echo/test/1", {"x": b"1"})["ok"]
+    with pytest.raises(PeerUnavailable):
+        b.request(a.peer_id, "/echo/test/1", {"x": os.urandom(5000)}, timeout=5)
+    assert b.request(a.peer_id, "/echo/test/1", {"x": b"1"})["ok"]
+
+
+def test_frames_are_checked_before_decoding():
+    frame = encode_frame({"a": 1})
+    assert decode_body(frame[5:], parse_header(frame[:5], 100)[1], 100) == {"a": 1}
+    with pytest.raises(FrameError, match="exceeds"):
+        parse_header(encode_frame({"a": b"x" * 500})[:5], 100)
+    with pytest.raises(FrameError, match="flags"):
+        parse_header(b"\0\0\0\1\x80", 100)
+    with pytest.raises(FrameError):
+        decode_body(b"\xc1garbage", 0, 100)
+    with pytest.raises(FrameError, match="map"):
+        decode_body(b"\x01", 0, 100)
+    import zstandard
+
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * 10_000_000)  # 10 MB from a few hundred bytes
+    with pytest.raises(FrameError, match="exceeds"):
+        decode_body(bomb, 1, 1_000_000)
+
+
+def test_identity_is_persistent_and_private(tmp_path):
+    path = tmp_path / "id.key"
+    key = load_identity(path)
+    assert load_identity(path).to_bytes() == key.to_bytes()
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    path.write_bytes(b"junk")
+    with pytest.raises(IdentityError, match="not an ed25519 key"):
+        load_identity(path)
+
+
+def test_plaintext_peer_is_refused(hosts):
+    import multiaddr
+    import trio
+    from libp2p import new_host
+    from libp2p.crypto.keys import KeyPair
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+    from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
+
+    ours = hosts()
+    key = Ed25519PrivateKey.new()
+    key_pair = KeyPair(key, key.get_public_key())
+    outcome = {}
+
+    async def dial():
+        plain = new_host(key_pair=key_pair, sec_opt={PLAINTEXT_PROTOCOL_ID: InsecureTransport(key_pair)})
+        addr = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
+        async with plain.run(listen_addrs=[addr]):
+            try:
+                with trio.fail_after(10):
+                    await plain.connect(info_from_p2p_addr(multiaddr.Multiaddr(ours.addrs[0])))
+                outcome["connected"] = True
+            except Exception as exc:  # noqa: BLE001
+                outcome["error"] = type(exc).__name__
+
+    trio.run(dial)
+    assert "error" in outcome, outcome
+    assert ours.connected_peers() == []
+
+
+def test_codec_round_trip_and_delta_size():
+    rng = np.random.default_rng(0)
+    w0 = rng.normal(size=(512, 256)).astype(np.float32)
+    w1 = w0 + 1e-6 * rng.normal(size=w0.shape).astype(np.float32)  # a small RL-sized update
+    t0, t1 = {"w": bf16_bits(w0)}, {"w": bf16_bits(w1)}
+    assert np.allclose(bf16_to_f32(t0["w"]), w0, rtol=1e-2)
+    full, raw0 = build_version("r", 0, t0, {"w": "bf16"})
+    delta, raw1 = build_version("r", 1, t1, {"w": "bf16"}, base=(0, raw0))
+    assert delta.manifest.payload_size < 0.1 * full.manifest.payload_size
+    rebuilt = rebuild_raw(delta.manifest, delta.chunks, raw0)
+    assert rebuilt == raw1 and np.array_equal(tensors_of(delta.manifest, rebuilt)["w"], t1["w"])
+    with pytest.raises(CodecError, match="base"):
+        rebuild_raw(delta.manifest, delta.chunks, raw1)  # the wrong base
+    tampered = list(delta.chunks)
+    tampered[0] = bytes([tampered[0][0] ^ 1]) + tampered[0][1:]
+    with pytest.raises(CodecError, match="hash"):
+        rebuild_raw(delta.manifest, tampered, raw0)
+
+
+def test_manifest_signed_by_another_key_is_rejected():
+    learner, other = Ed25519PrivateKey.new(), Ed25519PrivateKey.new()
+    from p2p.host import peer_id_of
+
+    learner_id = peer_id_of(learner)
+    pv, _ = random_version(learner, learner_id, mb=0.1)
+    Manifest.from_dict(pv.manifest.to_dict()).verify(learner_id)
+    forged = pv.manifest.signed(other, learner_id)  # claims to be the learner, signed by someone else
+    with pytest.raises(ManifestError, match="invalid signature"):
+        Manifest.from_dict(forged.to_dict()).verify(learner_id)
+    with pytest.raises(ManifestError, match="not by our learner"):
+        pv.manifest.signed(other, peer_id_of(other)).verify(learner_id)
+    with pytest.raises(ManifestError, match="malformed"):
+        Manifest.from_dict({"version": "x"})
+
+
+def test_three_peers_fetch_by_peer_assisted_broadcast(hosts):
+    learner = hosts()
+    pv, raw = random_version(learner.key, learner.peer_id, mb=6)
+    Seeder(learner, ChunkStore()).publish(pv)
+    peers = [BroadcastPeer(hosts(), ChunkStore(), learner.addrs[0]) for _ in range(3)]
+    for p in peers:
+        p.join()
+    for p in peers:
+        p.join()
+    results = {}
+
+    def fetch(p):
+        m = p.fetch_manifest()
+        results[p.host.peer_id] = rebuild_raw(m, p.fetch(m, timeout=60))
+
+    threads = [threading.Thread(target=fetch, args=(p,)) for p in peers]
+    [t.start() for t in threads]
+    [t.join(90) for t in threads]
+    assert len(results) == 3 and all(r == raw for r in results.values())
+    assert sum(p.stats["from_peers"] for p in peers) > 0  # peers really served each other
+
+
+class TamperingServer(ChunkServer):
+    """A peer that holds every chunk but flips a bit in each one it serves."""
+
+    def _on_chunk(self, peer, msg):
+        data = bytearray(super()._on_chunk(peer, msg)["data"])
+        data[0] ^= 0xFF
+        return {"data": bytes(data)}
+
+
+def test_tampered_chunk_is_detected_and_fetched_elsewhere(hosts):
+    learner = hosts()
+    pv, raw = random_version(learner.key, learner.peer_id, mb=3)
+    Seeder(learner, ChunkStore()).publish(pv)
+    evil_host = hosts()
+    evil_store = ChunkStore()
+    evil_store.add_version(pv)
+    TamperingServer(evil_host, evil_store)
+    evil_host.request(learner.addrs[0], "/echo/join/1", {"addrs": evil_host.addrs})
+    honest = BroadcastPeer(hosts(), ChunkStore(), learner.addrs[0])
+    honest.join()
+    assert evil_host.peer_id in honest.peers
+    honest._exchange_have_maps(1, len(pv.chunks), set())  # learns that the evil peer holds everything
+    m = honest.fetch_manifest()
+    assert rebuild_raw(m, honest.fetch(m, timeout=60)) == raw
+    assert honest.stats["bad_chunks"] >= 1
+    assert honest.penalties[evil_host.peer_id] >= 1
+
+
+def test_peer_killed_mid_transfer_does_not_stop_the_others():
+    """Real processes, capped at 16 Mbit/s so that the transfer takes seconds; one peer gets SIGKILL."""
+    node = [sys.executable, "-m", "p2p.bench", "node"]
+    procs = []
+
+    def spawn(*args):
+        proc = subprocess.Popen(node + list(args), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        procs.append(proc)
+        return proc, json.loads(proc.stdout.readline())
+
+    try:
+        seeder, info = spawn("seeder", "--size-mb", "8", "--up", "16")
+        peers = [spawn("peer", "--learner", info["addr"], "--up", "16")[0] for _ in range(4)]
+        for p in peers:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        time.sleep(1.5)
+        peers[0].send_signal(signal.SIGKILL)
+        results = [json.loads(p.stdout.readline()) for p in peers[1:]]
+        assert all(r["verified"] for r in results)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+
+
+def test_chunk_request_for_missing_chunk_is_an_error_reply(hosts):
+    learner = hosts()
+    Seeder(learner, ChunkStore())
+    other = hosts()
+    with pytest.raises(RemoteError, match="not held"):
+        other.request(learner.addrs[0], CHUNK, {"version": 9, "index": 0})
+    with pytest.raises(RemoteError, match="integer"):
+        other.request(learner.peer_id, CHUNK, {"version": "x"})
