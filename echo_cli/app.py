@@ -157,3 +157,27 @@ def bench_broadcast(
         return
     for key, value in result.items():
         console.print(f"{key:>26}: {value}")
+
+
+@bench_app.command("codec")
+def bench_codec(
+    model: str = typer.Option("smollm2-135m", "--model", help="Model name or path."),
+    lrs: str = typer.Option("1e-6,1e-5", "--lrs", help="Comma-separated learning rates."),
+    steps: int = typer.Option(10, "--steps", help="GRPO steps per learning rate."),
+    cache_dir: str = typer.Option("~/.cache/echo-rl", "--cache-dir", help="Model cache."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Bytes on the wire for bf16 XOR-delta versions after real GRPO steps, and codec seconds."""
+    setup_logging()
+    from echo_cli.bench import run_codec_bench
+
+    try:
+        rates = [float(x) for x in lrs.split(",") if x.strip()]
+    except ValueError:
+        raise fail(f"--lrs must be comma-separated numbers, got {lrs!r}") from None
+    if not rates or steps < 1:
+        raise fail("--lrs needs at least one rate and --steps must be >= 1")
+    try:
+        run_codec_bench(model, rates, steps, cache_dir, json_out)
+    except user_errors() as exc:
+        raise fail(str(exc)) from None

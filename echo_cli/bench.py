@@ -99,3 +99,82 @@ def run_sampler_bench(
     Console().print(table)
     Console().print(f"ratio: [bold]{result['ratio']:.2f}x[/]")
     return result
+
+
+def run_codec_bench(model: str, lrs: list[float], steps: int, cache_dir: str, json_out: bool) -> list[dict]:
+    """Train `steps` real GRPO steps per learning rate and measure the bf16 XOR-delta of each version.
+
+    Reports, per lr: bytes on the wire for the version after step 1 (vs the initial weights), after step
+    `steps` (vs the version before it) and for the cumulative delta v_steps vs v_0, each as a fraction
+    of the full bf16 checkpoint, with encode and decode seconds.
+    """
+    from learner.config import GRPOConfig
+    from learner.models import export_tensors, load_policy, model_spec
+    from learner.rollouts import score_groups
+    from learner.tasks import make_task
+    from learner.trainer import GRPOTrainer
+    from p2p.codec import bf16_bits
+    from p2p.messages import GenerationRequest, SamplingParams
+    from p2p.versions import build_version, rebuild_raw
+    from worker.engines.llamacpp import LlamaCppEngine
+
+    def bf16_version(policy, version, base):
+        tensors = {k: bf16_bits(v) for k, v in export_tensors(policy.model).items()}
+        t = time.perf_counter()
+        pv, raw = build_version("codec-bench", version, tensors, dict.fromkeys(tensors, "bf16"), base=base)
+        encode_s = time.perf_counter() - t
+        t = time.perf_counter()
+        rebuild_raw(pv.manifest, pv.chunks, base[1] if base else None)
+        return pv, raw, encode_s, time.perf_counter() - t
+
+    rows = []
+    task = make_task("arithmetic", {"ops": "+", "max_value": 20})
+    for lr in lrs:
+        policy = load_policy(model, cache_dir)
+        spec = model_spec(policy)
+        engine = LlamaCppEngine(tempfile.mkdtemp(prefix="echo-codec-"), threads=2, max_batch=32)
+        trainer = GRPOTrainer(policy.model, GRPOConfig(lr=lr, skip_equal_groups=False), temperature=1.0)
+        full, raw0, full_enc, full_dec = bf16_version(policy, 0, None)
+        previous = raw0
+        rng = random.Random(0)
+        for step in range(1, steps + 1):
+            engine.load_policy(spec, export_tensors(policy.model))
+            problems = [task.sample(rng) for _ in range(4)]
+            prompts = [policy.render_prompt(p.prompt) for p in problems]
+            groups = engine.generate([GenerationRequest(p, 8) for p in prompts], SamplingParams(1.0, 1.0, 48, step))
+            scored = score_groups(task, policy, problems, prompts, groups, version=step - 1)
+            trainer.step([r for g in scored for r in g])
+            pv, raw, enc, dec = bf16_version(policy, step, (step - 1, previous))
+            if step in (1, steps):
+                rows.append(_codec_row(lr, f"v{step} vs v{step - 1}", pv, len(raw), enc, dec))
+            if step == steps and steps > 1:
+                cum, _, enc, dec = bf16_version(policy, step, (0, raw0))
+                rows.append(_codec_row(lr, f"v{step} vs v0", cum, len(raw), enc, dec))
+            previous = raw
+        engine.close()
+    rows.insert(0, _codec_row(None, "full snapshot", full, len(raw0), full_enc, full_dec))
+    if json_out:
+        print(json.dumps(rows))
+        return rows
+    table = Table(title=f"bf16 policy versions on the wire, {model}")
+    for col in ("lr", "payload", "bytes", "of full bf16", "encode s", "decode s"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            f"{r['lr']:g}" if r["lr"] else "-", r["payload"], f"{r['bytes']:,}", f"{100 * r['fraction']:.2f}%",
+            f"{r['encode_s']:.2f}", f"{r['decode_s']:.2f}",
+        )  # fmt: skip
+    Console().print(table)
+    return rows
+
+
+def _codec_row(lr: float | None, payload: str, pv, raw_size: int, encode_s: float, decode_s: float) -> dict:
+    return {
+        "lr": lr,
+        "payload": payload,
+        "bytes": pv.manifest.payload_size,
+        "raw_bytes": raw_size,
+        "fraction": pv.manifest.payload_size / raw_size,
+        "encode_s": round(encode_s, 3),
+        "decode_s": round(decode_s, 3),
+    }

@@ -76,7 +76,8 @@ def node_main(argv: list[str]) -> None:
     chunks = peer.fetch(manifest, timeout=3600)
     seconds = time.perf_counter() - start
     rebuild_raw(manifest, chunks)  # raises unless every chunk and the whole are exact
-    say(done=True, seconds=seconds, verified=True, stats=peer.stats_dict())
+    learner_done = peer.last_learner_chunk_at - (time.monotonic() - (time.perf_counter() - start))
+    say(done=True, seconds=seconds, learner_done_s=round(learner_done, 2), verified=True, stats=peer.stats_dict())
     sys.stdin.readline()  # stop: keep serving until every peer is done
     host.stop()
 
@@ -144,6 +145,8 @@ def run_broadcast_bench(
         "vs_t_min": round(wall / bound, 3),
         "speedup_vs_star": round(star / wall, 2),
         "learner_uploads_per_chunk": round(learner_chunks / info["chunks"], 2),
+        "last_learner_chunk_s": round(max(r["learner_done_s"] for r in results), 2),
+        "per_peer_s": sorted(round(r["seconds"], 1) for r in results),
         "cpu_count": os.cpu_count(),
     }
 

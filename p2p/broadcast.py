@@ -43,7 +43,6 @@ JOIN = "/echo/join/1"
 PENALTY_LIMIT = 3  # bad chunks after which a peer is no longer asked
 DEAD_FOR = 5.0  # seconds a peer that failed a request is skipped
 HAVE_REFRESH = 0.3  # seconds between have-map exchanges with each peer
-IDLE_BEFORE_STEALING = 2.0  # seconds with nothing to fetch before asking the learner for another's share
 
 
 def bitmap(indices: set[int], n: int) -> bytes:
@@ -122,12 +121,13 @@ class ChunkStore:
 class ChunkServer:
     """Serves the manifests and chunks of a ChunkStore, and trades have-maps with peers."""
 
-    def __init__(self, host: Host, store: ChunkStore) -> None:
+    def __init__(self, host: Host, store: ChunkStore, upload_slots: int | None = None) -> None:
         self.host = host
         self.store = store
         self.peer_have: dict[str, dict[int, set[int]]] = defaultdict(dict)  # peer -> version -> chunks
         host.handle(MANIFEST, self._on_manifest)
-        host.handle(CHUNK, self._on_chunk)
+        # upload_slots: answer only this many chunk requests at once (None: all, sharing the uplink)
+        host.handle(CHUNK, self._on_chunk, concurrency=upload_slots)
         host.handle(HAVE, self._on_have)
 
     def _on_manifest(self, peer: str, msg: dict) -> dict:
@@ -196,7 +196,7 @@ class BroadcastPeer(ChunkServer):
         self.dead_until: dict[str, float] = {}
         self.stats: dict[str, int] = defaultdict(int)  # chunks by source, bad chunks, failures
         self._last_join = 0.0
-        self._idle_since: float | None = None
+        self.last_learner_chunk_at = 0.0
 
     def join(self, timeout: float = 10.0) -> None:
         """Register with the learner and connect to the peers it knows."""
@@ -285,18 +285,18 @@ class BroadcastPeer(ChunkServer):
                 per_peer[source] += 1  # so the next pick sees it; undone below
         for _, source in picks:
             per_peer[source] -= 1
-        # 2. from the learner, one at a time: our share first; another's share only if its owner is gone,
-        #    or if we have been idle a while (its owner may be slow), so each chunk leaves the learner ~once
+        # 2. from the learner, one at a time: our share first, and the share of a peer that is gone. Once
+        #    every chunk has left the learner (each is held by somebody), its uplink is free: from then on
+        #    it is one more source for whatever we still miss, rarest first (the end game).
         if per_peer[self.learner] == 0 and len(picks) < slots and self._alive(self.learner):
             ranked = sorted([*self.peers, self.host.peer_id])
-            idle = not picks and len(inflight) == 0
-            self._idle_since = (self._idle_since or time.monotonic()) if idle else None
-            waited = self._idle_since is not None and time.monotonic() - self._idle_since > IDLE_BEFORE_STEALING
-            rest = [i for i in wanted if not holders[i] and (i, self.learner) not in failed]
+            taken = {i for i, _ in picks}
+            rest = [i for i in wanted if not holders[i] and (i, self.learner) not in failed and i not in taken]
             mine = [i for i in rest if i in share]
             orphans = [i for i in rest if not self._alive(ranked[i % len(ranked)])]
-            choice = (mine or orphans or (rest if waited else []))[:1]
-            picks += [(i, self.learner) for i in choice if all(i != p[0] for p in picks)]
+            all_out = all(holders[i] or i in held for i in range(n))
+            end_game = sorted((i for i in wanted if i not in taken), key=lambda i: len(holders[i])) if all_out else []
+            picks += [(i, self.learner) for i in (mine or orphans or end_game)[:1]]
         return picks
 
     def _fetch_one(self, manifest, index, source, inflight, per_peer, failed, done) -> None:
@@ -312,6 +312,8 @@ class BroadcastPeer(ChunkServer):
             else:
                 self.store.put(version, index, data)
                 self.stats["from_learner" if source == self.learner else "from_peers"] += 1
+                if source == self.learner:
+                    self.last_learner_chunk_at = time.monotonic()
         except RemoteError:
             failed.add((index, source))  # the peer does not hold it (any more)
         except PeerUnavailable as exc:

@@ -104,14 +104,17 @@ class TokenBucket:
         while n > 0:
             piece = min(n, self.PIECE)
             async with self.lock:
-                now = trio.current_time()
-                self.tokens = min(self.tokens + (now - self.stamp) * self.rate, 4 * self.PIECE)
-                self.stamp = now
+                self._refill()
                 if self.tokens < piece:
                     await trio.sleep((piece - self.tokens) / self.rate)
-                    self.tokens, self.stamp = float(piece), trio.current_time()
+                    self._refill()  # counts the whole sleep, oversleeping included, so no rate is lost
                 self.tokens -= piece
             n -= piece
+
+    def _refill(self) -> None:
+        now = trio.current_time()
+        self.tokens = min(self.tokens + (now - self.stamp) * self.rate, 4 * self.PIECE)
+        self.stamp = now
 
 
 @dataclass
@@ -278,19 +281,30 @@ class Host:
             raise RemoteError(str(reply["error"]))
         return reply
 
-    def handle(self, protocol: str, handler: Handler) -> None:
-        """Serve `protocol` with `handler(peer_id, message) -> reply`, run in a worker thread."""
+    def handle(self, protocol: str, handler: Handler, concurrency: int | None = None) -> None:
+        """Serve `protocol` with `handler(peer_id, message) -> reply`, run in a worker thread.
+
+        `concurrency` bounds how many requests are answered at once (the rest wait their turn), so that
+        a capped uplink sends a few replies at full speed rather than many at a crawl.
+        """
         self._handlers[protocol] = handler
+        slots = self._run_sync(trio.Semaphore, concurrency) if concurrency else None
 
         async def on_stream(stream: Any) -> None:
             peer = stream.muxed_conn.peer_id.to_base58()
             try:
                 message = await self._read(stream)
+                if slots is not None:
+                    await slots.acquire()
                 try:
-                    reply = await trio.to_thread.run_sync(handler, peer, message)
-                except BadRequest as exc:
-                    reply = {"error": str(exc)}
-                await self._write(stream, encode_frame(reply))
+                    try:
+                        reply = await trio.to_thread.run_sync(handler, peer, message)
+                    except BadRequest as exc:
+                        reply = {"error": str(exc)}
+                    await self._write(stream, encode_frame(reply))
+                finally:
+                    if slots is not None:
+                        slots.release()
                 await stream.close()
             except Exception as exc:  # noqa: BLE001 - nothing a peer sends may end the host
                 log.warning("%s from %s: %s: %s; stream reset", protocol, peer[-8:], type(exc).__name__, exc)
