@@ -13,14 +13,18 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from echo_cli.config import load_config, with_config_flags
-from learner.config import ConfigError, LearnerConfig
+from learner.config import LearnerConfig
+from p2p.config import ConfigError
+from worker.daemon import WorkerRootConfig
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Distributed GRPO post-training with a rollout swarm."
 )
 learner_app = typer.Typer(no_args_is_help=True, help="The training node.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print measured figures.")
+worker_app = typer.Typer(no_args_is_help=True, help="A rollout worker for a learner's swarm.")
 app.add_typer(learner_app, name="learner")
+app.add_typer(worker_app, name="worker")
 app.add_typer(bench_app, name="bench")
 
 console = Console(stderr=True)
@@ -63,33 +67,39 @@ def learner_start(
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its newest checkpoint."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
 ) -> None:
-    """Train a policy with GRPO (co-located: generation and training in one process)."""
+    """Train a policy with GRPO: on rollouts from swarm workers, or --colocated in this one process."""
     setup_logging(verbose)
-    if not colocated:
-        raise fail("the distributed learner is not available yet: pass --colocated")
     try:
         cfg = load_config(LearnerConfig, config, overrides)
-        from learner.colocated import train_colocated
-        from worker.engines import make_engine
+        if colocated:
+            from learner.colocated import train_colocated
+            from worker.engines import make_engine
 
-        engine = make_engine(
-            cfg.sampler.engine, Path(cfg.run.run_dir) / "sampler", cfg.sampler.threads, cfg.sampler.max_batch
-        )
-        steps = train_colocated(cfg, engine, resume=resume)
+            sampler = cfg.sampler
+            engine = make_engine(sampler.engine, Path(cfg.run.run_dir) / "sampler", sampler.threads, sampler.max_batch)
+            steps = train_colocated(cfg, engine, resume=resume)
+        else:
+            from learner.distributed import train_distributed
+
+            steps = train_distributed(cfg, resume=resume)
         show_progress(steps, cfg.run.steps)
     except user_errors() as exc:
         raise fail(str(exc)) from None
+
+
+def step_line(m: dict, total: int) -> str:
+    line = f"step {m['step']}/{total} reward {m['reward_mean']:.3f} acc {m['accuracy']:.2f} loss {m['loss']:.4f}"
+    line += f" kl {m['kl']:.4f} train {m['seconds']['train']:.1f}s"
+    if "utilisation" in m:
+        return line + f" wait {m['seconds']['wait']:.1f}s util {m['utilisation']:.0%} buffer {m['buffer']}"
+    return line + f" gen {m['seconds']['generate']:.1f}s ({m['gen_tokens_per_s']:.0f} tok/s)"
 
 
 def show_progress(steps, total: int) -> None:
     """A live bar on a terminal; one log line per step otherwise (CI, files)."""
     if not console.is_terminal:
         for m in steps:
-            log.info(
-                "step %d/%d reward %.3f acc %.2f loss %.4f kl %.4f gen %.0f tok/s (%.1fs gen, %.1fs train)",
-                m["step"], total, m["reward_mean"], m["accuracy"], m["loss"], m["kl"],
-                m["gen_tokens_per_s"], m["seconds"]["generate"], m["seconds"]["train"],
-            )  # fmt: skip
+            log.info("%s", step_line(m, total))
         return
     columns = (
         TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
@@ -99,9 +109,28 @@ def show_progress(steps, total: int) -> None:
     with Progress(*columns, console=console) as progress:
         bar = progress.add_task("train", total=total, reward=0.0, acc=0.0, tps=0.0)
         for m in steps:
-            progress.update(
-                bar, completed=m["step"], reward=m["reward_mean"], acc=m["accuracy"], tps=m["gen_tokens_per_s"]
-            )
+            tps = m.get("gen_tokens_per_s") or sum(w["tokens_per_s"] for w in m.get("workers", {}).values())
+            progress.update(bar, completed=m["step"], reward=m["reward_mean"], acc=m["accuracy"], tps=tps)
+
+
+@worker_app.command("join")
+@with_config_flags(WorkerRootConfig)
+def worker_join(
+    overrides: dict,
+    config: Path | None = typer.Option(None, "--config", help="TOML file with a [worker] table."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+) -> None:
+    """Join a learner's swarm: fetch policy versions, generate rollouts, push them back."""
+    setup_logging(verbose)
+    try:
+        cfg = load_config(WorkerRootConfig, config, overrides).worker
+    except user_errors() as exc:
+        raise fail(str(exc)) from None
+    from worker.daemon import WorkerDaemon
+
+    daemon = WorkerDaemon(cfg)
+    daemon.install_signal_handlers()
+    daemon.run()
 
 
 @bench_app.command("sampler")

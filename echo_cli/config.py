@@ -20,7 +20,7 @@ from typing import Any
 
 import typer
 
-from learner.config import ConfigError
+from p2p.config import ConfigError
 
 
 @cache

@@ -6,28 +6,19 @@ bottom; each step is seeded by (seed, step), so a resumed run continues exactly 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
-import logging
 import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-import torch
 
-from learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from learner.config import ConfigError, LearnerConfig
-from learner.models import export_tensors, load_policy, model_spec
+from learner.config import LearnerConfig
+from learner.models import export_tensors, model_spec
 from learner.rollouts import score_groups
-from learner.tasks import make_task
-from learner.trainer import GRPOTrainer
+from learner.run import batch_metrics, open_run
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams
-
-log = logging.getLogger(__name__)
 
 
 class Sampler(Protocol):
@@ -45,35 +36,12 @@ def step_seed(seed: int, step: int) -> int:
 
 def train_colocated(cfg: LearnerConfig, engine: Sampler, resume: bool = False) -> Iterator[dict]:
     """Run (or resume) a co-located GRPO run; yields each step's metrics after it is written."""
-    torch.set_flush_denormal(True)
-    run_dir = Path(cfg.run.run_dir)
-    metrics_path = run_dir / "metrics.jsonl"
-    checkpoints = list_checkpoints(run_dir)
-    if resume and not checkpoints:
-        raise ConfigError(f"--resume: no checkpoint in {run_dir}/checkpoints; start without --resume")
-    if not resume and (checkpoints or metrics_path.exists()):
-        raise ConfigError(f"{run_dir} already holds a run: pass --resume to continue it or choose another --run-dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-
-    policy = load_policy(cfg.model.model, cfg.model.cache_dir, cfg.run.seed)
-    task = make_task(cfg.task.task, cfg.task.task_args)
-    trainer = GRPOTrainer(policy.model, cfg.grpo, cfg.sampler.temperature)
-    start_step, wall_offset = 0, 0.0
-    if resume:
-        state = load_checkpoint(checkpoints[-1], policy.model, trainer.optimizer)
-        if state["config"]["model"]["model"] != cfg.model.model:
-            raise ConfigError(
-                f"--model {cfg.model.model!r} differs from the checkpoint's {state['config']['model']['model']!r}"
-            )
-        start_step, wall_offset = state["step"], state["wall_s"]
-        truncate_metrics(metrics_path, start_step)
-        log.info("resumed from %s at step %d", checkpoints[-1], start_step)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-
+    run = open_run(cfg, resume)
+    policy, task, trainer = run.policy, run.task, run.trainer
     spec = model_spec(policy)
     engine.load_policy(spec, export_tensors(policy.model))
-    t_run = time.perf_counter() - wall_offset
-    for step in range(start_step + 1, cfg.run.steps + 1):
+    t_run = time.perf_counter() - run.wall_offset
+    for step in range(run.start_step + 1, cfg.run.steps + 1):
         seconds: dict[str, float] = {}
         tick = time.perf_counter()
 
@@ -101,40 +69,14 @@ def train_colocated(cfg: LearnerConfig, engine: Sampler, resume: bool = False) -
         # 5. hand the new weights to the sampler
         if stats["trained_tokens"]:
             engine.load_policy(spec, export_tensors(policy.model))
-        seconds["export"], tick = time.perf_counter() - tick, time.perf_counter()
+        seconds["export"] = time.perf_counter() - tick
 
-        rewards = [r.reward for r in rollouts]
-        tokens = sum(len(r.completion_ids) for r in rollouts)
         record = {
             "step": step,
             "wall_s": round(time.perf_counter() - t_run, 3),
-            "reward_mean": float(np.mean(rewards)),
-            "accuracy": float(np.mean([r >= 1.0 for r in rewards])),
-            "loss": stats["loss"],
-            "kl": stats["kl_behaviour"],
-            "kl_ref": stats["kl_ref"],
-            "clip_frac": stats["clip_frac"],
-            "grad_norm": stats["grad_norm"],
-            "tokens": tokens,
-            "trained_tokens": stats["trained_tokens"],
-            "gen_tokens_per_s": tokens / max(seconds["generate"], 1e-9),
-            "completion_len_mean": tokens / len(rollouts),
-            "equal_reward_groups": sum(len({r.reward for r in g}) == 1 for g in scored),
+            **batch_metrics(rollouts, scored, stats),
+            "gen_tokens_per_s": sum(len(r.completion_ids) for r in rollouts) / max(seconds["generate"], 1e-9),
             "seconds": {k: round(v, 4) for k, v in seconds.items()},
         }
-        # metrics first: a crash before the checkpoint lands only leaves lines that --resume trims
-        with metrics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        if step % cfg.run.checkpoint_every == 0 or step == cfg.run.steps:
-            state = {"wall_s": record["wall_s"], "config": dataclasses.asdict(cfg)}
-            path = save_checkpoint(run_dir, step, policy.model, trainer.optimizer, state, cfg.run.keep_checkpoints)
-            log.info("checkpoint %s written in %.1fs", path, time.perf_counter() - tick)
+        run.record(step, record)
         yield record
-
-
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop metric lines after `last_step` (written after the checkpoint we resume from)."""
-    if not path.exists():
-        return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= last_step]
-    path.write_text("".join(ln + "\n" for ln in lines))

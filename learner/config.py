@@ -1,6 +1,6 @@
 """Typed configuration of a training run: one dataclass per component, one documented line per field.
 
-A TOML file has one table per component ([run], [model], [task], [grpo], [sampler]); every field is
+A TOML file has one table per component ([run], [model], [task], [grpo], [sampler], [swarm]); every field is
 also a CLI flag of the same name with dashes (`grpo.group_size` -> `--group-size`), see echo_cli.config.
 Each field's docstring is its help text. Every default runs.
 """
@@ -10,14 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-
-class ConfigError(ValueError):
-    """A configuration value that cannot be used; the message names the key and what is allowed."""
-
-
-def require(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {message}")
+from p2p.config import require
 
 
 @dataclass
@@ -140,6 +133,51 @@ class SamplerConfig:
 
 
 @dataclass
+class SwarmConfig:
+    """The distributed learner: its libp2p host, policy versions, leases and staleness."""
+
+    listen: str = "/ip4/127.0.0.1/tcp/0"
+    """Multiaddr to listen on; /ip4/0.0.0.0/tcp/4001 accepts workers from other machines (port 0: any free port)."""
+    sync_mode: Literal["async", "pull"] = "async"
+    """async: train on any buffered batch within staleness; pull: workers hold the newest version for every lease."""
+    staleness: int = 2
+    """S: a rollout from policy version x is trained on at version v only if v - x <= S (async mode)."""
+    publish_every: int = 1
+    """kappa: publish a policy version every this many optimizer steps (must be <= S + 1; pull mode uses 1)."""
+    full_every: int = 10
+    """Every this many publications is a full snapshot; the others are XOR deltas of bf16 weights."""
+    lease_timeout: float = 120.0
+    """Seconds a worker has to return a lease before its prompts are leased to another worker."""
+    groups_per_lease: int = 1
+    """Prompt groups handed out in one lease."""
+    prefetch_batches: int = 2
+    """async: at most this many batches of prompt groups are leased or buffered ahead of training."""
+
+    def validate(self) -> None:
+        require(
+            self.listen.startswith("/"),
+            "swarm.listen",
+            f"must be a multiaddr like /ip4/0.0.0.0/tcp/4001, got {self.listen!r}",
+        )
+        require(self.staleness >= 0, "swarm.staleness", f"must be >= 0, got {self.staleness}")
+        require(self.publish_every >= 1, "swarm.publish_every", "must be >= 1")
+        require(self.full_every >= 1, "swarm.full_every", "must be >= 1")
+        require(self.lease_timeout > 0, "swarm.lease_timeout", "must be > 0")
+        require(self.groups_per_lease >= 1, "swarm.groups_per_lease", "must be >= 1")
+        require(self.prefetch_batches >= 1, "swarm.prefetch_batches", "must be >= 1")
+        if self.sync_mode == "pull":
+            require(
+                self.publish_every == 1, "swarm.publish_every", "must be 1 in pull mode (workers need every version)"
+            )
+        else:
+            require(
+                self.publish_every <= self.staleness + 1,
+                "swarm.publish_every",
+                f"must be <= staleness + 1 ({self.staleness + 1}), or no rollout could ever be fresh enough",
+            )
+
+
+@dataclass
 class LearnerConfig:
     """A whole training run: one table per component."""
 
@@ -148,9 +186,10 @@ class LearnerConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
 
     def validate(self) -> None:
-        for section in (self.run, self.model, self.task, self.grpo, self.sampler):
+        for section in (self.run, self.model, self.task, self.grpo, self.sampler, self.swarm):
             section.validate()
         require(
             self.sampler.max_batch >= self.grpo.group_size,

@@ -61,16 +61,12 @@ def node_main(argv: list[str]) -> None:
         say(ready=True, addr=host.addrs[0], payload_bytes=pv.manifest.payload_size, chunks=len(pv.chunks))
         sys.stdin.readline()  # until stop
         return
-    peer = BroadcastPeer(host, ChunkStore(), args.learner, per_peer_inflight=2)
-    if args.mode == "star":
-        peer.max_inflight = 1
+    star = args.mode == "star"
+    peer = BroadcastPeer(host, ChunkStore(), args.learner, max_inflight=1 if star else 6, use_peers=not star)
     peer.join()
     say(ready=True, addr=host.addrs[0])
     sys.stdin.readline()  # go
-    if args.mode == "swarm":
-        peer.join()  # everybody has joined by now: learn the full peer list
-    else:
-        peer.peers = {}  # star: the learner only
+    peer.join()  # everybody has joined by now: learn the full peer list (swarm mode)
     start = time.perf_counter()
     manifest = peer.fetch_manifest()
     chunks = peer.fetch(manifest, timeout=3600)

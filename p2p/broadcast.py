@@ -43,6 +43,7 @@ JOIN = "/echo/join/1"
 PENALTY_LIMIT = 3  # bad chunks after which a peer is no longer asked
 DEAD_FOR = 5.0  # seconds a peer that failed a request is skipped
 HAVE_REFRESH = 0.3  # seconds between have-map exchanges with each peer
+OWNER_GRACE = 2.0  # seconds a peer has to show it fetches a version before others take its learner share
 
 
 def bitmap(indices: set[int], n: int) -> bytes:
@@ -139,7 +140,7 @@ class ChunkServer:
             version = max(versions)
         if not isinstance(version, int) or version not in versions:
             raise BadRequest(f"version {version!r} is not held here")
-        return {"manifest": versions[version].to_dict()}
+        return {"manifest": versions[version].to_dict(), "versions": sorted(versions)}
 
     def _on_chunk(self, peer: str, msg: dict) -> dict:
         version, index = msg.get("version"), msg.get("index")
@@ -184,9 +185,16 @@ class BroadcastPeer(ChunkServer):
     """A worker's side: joins a learner, then fetches versions from the learner and its peers."""
 
     def __init__(
-        self, host: Host, store: ChunkStore, learner: str, max_inflight: int = 6, per_peer_inflight: int = 2
+        self,
+        host: Host,
+        store: ChunkStore,
+        learner: str,
+        max_inflight: int = 6,
+        per_peer_inflight: int = 2,
+        use_peers: bool = True,
     ) -> None:
         super().__init__(host, store)
+        self.use_peers = use_peers  # False: fetch from the learner only (the star baseline)
         self.learner_addr = learner
         self.learner = learner.rsplit("/p2p/", 1)[-1]
         self.max_inflight = max_inflight
@@ -197,6 +205,7 @@ class BroadcastPeer(ChunkServer):
         self.stats: dict[str, int] = defaultdict(int)  # chunks by source, bad chunks, failures
         self._last_join = 0.0
         self.last_learner_chunk_at = 0.0
+        self._fetch_started = 0.0
 
     def join(self, timeout: float = 10.0) -> None:
         """Register with the learner and connect to the peers it knows."""
@@ -204,6 +213,8 @@ class BroadcastPeer(ChunkServer):
         self.refresh_peers(reply.get("peers", {}))
 
     def refresh_peers(self, peers: dict[str, list[str]]) -> None:
+        if not self.use_peers:
+            return
         for peer, addrs in peers.items():
             if peer == self.host.peer_id or peer in self.peers:
                 continue
@@ -216,11 +227,49 @@ class BroadcastPeer(ChunkServer):
                     continue
 
     def fetch_manifest(self, version: int | None = None, timeout: float = 10.0) -> Manifest:
+        """The learner's newest (or given) manifest, checked against the learner's key."""
+        return self._manifest_and_versions(version, timeout)[0]
+
+    def _manifest_and_versions(self, version: int | None, timeout: float) -> tuple[Manifest, list[int]]:
         reply = self.host.request(self.learner, MANIFEST, {"version": version}, timeout=timeout)
         manifest = Manifest.from_dict(reply["manifest"])
         manifest.verify(self.learner)
         self.store.add_manifest(manifest)
-        return manifest
+        versions = [v for v in reply.get("versions", []) if isinstance(v, int)]
+        return manifest, versions
+
+    def sync(self, held: tuple[int, bytes] | None, timeout: float = 600.0) -> tuple[Manifest, bytes] | None:
+        """Bring `held` = (version, raw weights) up to the learner's newest version.
+
+        Returns (manifest, raw) of the newest version, or None if `held` is already the newest. Fetches
+        the newest full snapshot first when `held` is not a base the deltas can start from, then each
+        delta in order; every step is checked by hash. Chunks of superseded versions are dropped.
+        """
+        from p2p.versions import rebuild_raw
+
+        newest, versions = self._manifest_and_versions(None, timeout=10)
+        if held is not None and held[0] == newest.version:
+            return None
+        chain = [newest]
+        while chain[0].base_version is not None and (held is None or chain[0].base_version != held[0]):
+            if chain[0].base_version not in versions:
+                raise RemoteError(f"the learner no longer holds version {chain[0].base_version} of the chain")
+            chain.insert(0, self._manifest_and_versions(chain[0].base_version, timeout=10)[0])
+        raw = held[1] if held is not None and chain[0].base_version is not None else None
+        for manifest in chain:
+            raw = rebuild_raw(manifest, self.fetch(manifest, timeout=timeout), raw)
+        for version in list(self.store.manifests):
+            if version < newest.version and version not in {m.version for m in chain}:
+                self.store.drop(version)
+        return newest, raw
+
+    def _fetching(self, peer: str, version: int) -> bool:
+        """Whether `peer` takes part in fetching `version`, so that its share of the learner's chunks is
+        left to it: itself, or alive and (still in the grace period, or known to be on this version)."""
+        if peer == self.host.peer_id:
+            return True
+        in_grace = time.monotonic() - self._fetch_started < OWNER_GRACE
+        return self._alive(peer) and (in_grace or version in self.peer_have.get(peer, {}))
 
     def _alive(self, peer: str) -> bool:
         return self.dead_until.get(peer, 0.0) < time.monotonic() and self.penalties[peer] < PENALTY_LIMIT
@@ -243,6 +292,7 @@ class BroadcastPeer(ChunkServer):
 
         share = rank_share()
         last_have = 0.0
+        self._fetch_started = time.monotonic()
         with ThreadPoolExecutor(max_workers=self.max_inflight + 2, thread_name_prefix="fetch") as pool:
             have_future: Future | None = None
             while True:
@@ -251,6 +301,9 @@ class BroadcastPeer(ChunkServer):
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"version {version}: {len(held)}/{n} chunks after {timeout}s")
+                if any(source == self.learner for _, source in failed):
+                    # the learner refused a chunk: it dropped this version (a newer full snapshot is out)
+                    raise RemoteError(f"version {version} is no longer held by the learner")
                 if (have_future is None or have_future.done()) and time.monotonic() - last_have > HAVE_REFRESH:
                     last_have = time.monotonic()
                     have_future = pool.submit(self._exchange_have_maps, version, n, held)
@@ -285,15 +338,16 @@ class BroadcastPeer(ChunkServer):
                 per_peer[source] += 1  # so the next pick sees it; undone below
         for _, source in picks:
             per_peer[source] -= 1
-        # 2. from the learner, one at a time: our share first, and the share of a peer that is gone. Once
-        #    every chunk has left the learner (each is held by somebody), its uplink is free: from then on
-        #    it is one more source for whatever we still miss, rarest first (the end game).
+        # 2. from the learner, one at a time: our share first, then the share of a peer that is gone or
+        #    not fetching this version. Once every chunk has left the learner (each is held by somebody),
+        #    its uplink is free: from then on it is one more source for whatever we still miss, rarest
+        #    first (the end game).
         if per_peer[self.learner] == 0 and len(picks) < slots and self._alive(self.learner):
             ranked = sorted([*self.peers, self.host.peer_id])
             taken = {i for i, _ in picks}
             rest = [i for i in wanted if not holders[i] and (i, self.learner) not in failed and i not in taken]
             mine = [i for i in rest if i in share]
-            orphans = [i for i in rest if not self._alive(ranked[i % len(ranked)])]
+            orphans = [i for i in rest if not self._fetching(ranked[i % len(ranked)], version)]
             all_out = all(holders[i] or i in held for i in range(n))
             end_game = sorted((i for i in wanted if i not in taken), key=lambda i: len(holders[i])) if all_out else []
             picks += [(i, self.learner) for i in (mine or orphans or end_game)[:1]]
@@ -335,6 +389,8 @@ class BroadcastPeer(ChunkServer):
                 reply = self.host.request(peer, HAVE, {"version": version, "have": mine}, timeout=5)
                 if isinstance(reply.get("have"), bytes):
                     self.peer_have[peer][version] = from_bitmap(reply["have"], n)
+                else:  # the peer is not fetching this version (it moved on, or has not seen it)
+                    self.peer_have[peer].pop(version, None)
             except (PeerUnavailable, RemoteError, BadRequest):
                 self.dead_until[peer] = time.monotonic() + DEAD_FOR
         if time.monotonic() - self._last_join > 2.0:  # learn about peers that joined after us

@@ -73,3 +73,10 @@ class Completion:
     tokens: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (an end-of-sequence token was sampled) or "length"
+
+
+# Protocols between workers and the learner (the broadcast ones are in p2p.broadcast).
+SPEC = "/echo/spec/1"  # {} -> {"run_id", "spec": ModelSpec dict}
+LEASE = "/echo/lease/1"  # {"version", "max_groups"} -> {"lease": {...}} or {"wait": seconds, "newest": v}
+ROLLOUT = "/echo/rollout/1"  # {"lease", "version", "groups": [...]} -> {"accepted", "stale"}
+HEARTBEAT = "/echo/heartbeat/1"  # {"version", "tokens_per_s", "price"} -> {"newest": v}

@@ -1,7 +1,8 @@
 import pytest
 
 from echo_cli.config import field_docs, load_config, parse_key_values
-from learner.config import ConfigError, GRPOConfig, LearnerConfig
+from learner.config import GRPOConfig, LearnerConfig
+from p2p.config import ConfigError
 
 
 def test_defaults_are_valid():

@@ -1,0 +1,116 @@
+"""The distributed learner: train on rollouts that workers generate, publish versions to the swarm.
+
+    start host -> publish the current weights as a version -> loop:
+        wait for a batch of groups within staleness  (workers lease prompts and push rollouts meanwhile)
+        one optimizer step                           (version v -> v + 1)
+        publish every kappa steps                    (full snapshot or XOR delta, signed, seeded to peers)
+        record metrics (utilisation = training time / wall time), checkpoint every K steps
+
+The learner keeps its identity (RUN_DIR/learner.key) and its port (RUN_DIR/learner.addr) across
+restarts, so workers find it again after `--resume`.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import multiaddr
+
+from learner.config import LearnerConfig
+from learner.models import model_spec
+from learner.publisher import Publisher
+from learner.run import batch_metrics, open_run
+from learner.service import LearnerService
+from p2p.broadcast import ChunkStore, Seeder
+from p2p.host import Host, HostConfig, load_identity
+
+log = logging.getLogger(__name__)
+
+
+def listen_addr(cfg: LearnerConfig, run_dir: Path) -> str:
+    """The configured listen multiaddr; port 0 reuses the port of this run's previous start, if any."""
+    addr = multiaddr.Multiaddr(cfg.swarm.listen)
+    previous = run_dir / "learner.addr"
+    if addr.value_for_protocol("tcp") == "0" and previous.exists():
+        try:
+            port = multiaddr.Multiaddr(previous.read_text().strip()).value_for_protocol("tcp")
+            return cfg.swarm.listen.replace("/tcp/0", f"/tcp/{port}")
+        except Exception:  # noqa: BLE001 - an unreadable old address just means a new port
+            pass
+    return cfg.swarm.listen
+
+
+def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict]:
+    """Run (or resume) a swarm GRPO run; yields each step's metrics after it is written."""
+    run = open_run(cfg, resume)
+    policy, trainer, grpo = run.policy, run.trainer, cfg.grpo
+    host = Host(load_identity(run.run_dir / "learner.key"), HostConfig(listen=[listen_addr(cfg, run.run_dir)]))
+    host.start()
+    try:
+        (run.run_dir / "learner.addr").write_text(host.addrs[0] + "\n")
+        log.info("learner listening on %s", host.addrs[0])
+        seeder = Seeder(host, ChunkStore(spill_dir=run.run_dir / "chunks", memory_budget=1 << 30))
+        publisher = Publisher(seeder, run_id=secrets.token_hex(8), full_every=cfg.swarm.full_every)
+        service = LearnerService(
+            host, cfg, policy, run.task, model_spec(policy), publisher.run_id, first_group=run.start_step * 1000
+        )
+        version = run.start_step
+        service.version = version
+        publisher.publish(version, policy.model)
+        service.mark_published(version)
+
+        t_run = time.perf_counter() - run.wall_offset
+        for step in range(run.start_step + 1, cfg.run.steps + 1):
+            seconds: dict[str, float] = {}
+            tick = time.perf_counter()
+
+            # 1. wait for a batch: P groups generated within the staleness bound
+            batch = None
+            while batch is None:
+                batch = service.buffer.take(grpo.prompts_per_step, version, timeout=1.0)
+                service.leases.expire()
+            seconds["wait"], tick = time.perf_counter() - tick, time.perf_counter()
+
+            # 2. one optimizer step on them
+            groups = [g.rollouts for g in batch]
+            rollouts = [r for g in groups for r in g]
+            stats = trainer.step(rollouts)
+            version = step
+            service.version = version
+            seconds["train"], tick = time.perf_counter() - tick, time.perf_counter()
+
+            # 3. publish every kappa steps
+            if version % cfg.swarm.publish_every == 0:
+                manifest = publisher.publish(version, policy.model)
+                service.mark_published(version)
+                seconds["publish"] = time.perf_counter() - tick
+            step_s = sum(seconds.values())
+
+            counters = service.leases.counters
+            record = {
+                "step": step,
+                "wall_s": round(time.perf_counter() - t_run, 3),
+                **batch_metrics(rollouts, groups, stats),
+                "utilisation": seconds["train"] / step_s if step_s > 0 else 0.0,
+                "buffer": len(service.buffer),
+                "staleness": service.buffer.staleness_histogram(batch, version - 1),
+                "stale_dropped": service.buffer.dropped_stale,
+                "leases": {
+                    "issued": counters.issued,
+                    "completed": counters.completed,
+                    "expired": counters.expired,
+                    "refused": dict(counters.refused),
+                },
+                "workers": service.worker_table(),
+                "bcast_s": {str(v): round(s, 2) for v, s in sorted(service.bcast_seconds.items())[-3:]},
+                "version_bytes": manifest.payload_size if version % cfg.swarm.publish_every == 0 else 0,
+                "seconds": {k: round(v, 4) for k, v in seconds.items()},
+            }
+            run.record(step, record)
+            yield record
+    finally:
+        host.stop()

@@ -1,0 +1,115 @@
+"""Leases: which prompt groups a worker is generating, until when, and what happens when it vanishes.
+
+The learner chooses every prompt (seeded by the run seed and the group's index), never the worker.
+A lease holds some groups for one worker until its deadline; an expired lease's groups go back to the
+front of the queue and are leased to someone else. A submission for a lease that is unknown, owned
+by another worker, already completed or expired is refused and counted.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Lease:
+    lease_id: int
+    worker: str
+    group_ids: list[int]
+    min_version: int
+    issued_at: float
+    deadline: float
+
+
+@dataclass
+class LeaseCounters:
+    issued: int = 0
+    completed: int = 0
+    expired: int = 0
+    reissued_groups: int = 0
+    refused: dict[str, int] = field(default_factory=dict)  # reason -> count
+
+    def refuse(self, reason: str) -> None:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+
+
+class LeaseError(ValueError):
+    """A submission that does not match a live lease of this worker."""
+
+
+class LeaseTable:
+    """Hands out prompt groups by lease; group ids count up from `first_group`."""
+
+    def __init__(self, timeout_s: float, first_group: int = 0) -> None:
+        self.timeout_s = timeout_s
+        self.next_group = first_group
+        self.requeued: deque[int] = deque()  # groups of expired leases, issued first
+        self.live: dict[int, Lease] = {}
+        self.closed: dict[int, str] = {}  # lease id -> "completed" | "expired"
+        self.counters = LeaseCounters()
+        self._lock = threading.Lock()
+
+    def issue(self, worker: str, n_groups: int, min_version: int, timeout_s: float | None = None) -> Lease:
+        with self._lock:
+            self._expire_locked()
+            groups = []
+            while len(groups) < n_groups:
+                if self.requeued:
+                    groups.append(self.requeued.popleft())
+                else:
+                    groups.append(self.next_group)
+                    self.next_group += 1
+            now = time.monotonic()
+            lease = Lease(secrets.randbits(62), worker, groups, min_version, now, now + (timeout_s or self.timeout_s))
+            self.live[lease.lease_id] = lease
+            self.counters.issued += 1
+            return lease
+
+    def complete(self, lease_id: int, worker: str) -> Lease:
+        """Close a live lease of `worker`; raises LeaseError (and counts why) otherwise."""
+        with self._lock:
+            self._expire_locked()
+            lease = self.live.get(lease_id)
+            if lease is None:
+                reason = {"completed": "duplicate", "expired": "late"}.get(self.closed.get(lease_id, ""), "unknown")
+                self.counters.refuse(reason)
+                raise LeaseError(f"lease {lease_id} is {reason}")
+            if lease.worker != worker:
+                self.counters.refuse("not_owner")
+                raise LeaseError(f"lease {lease_id} belongs to another worker")
+            del self.live[lease_id]
+            self.closed[lease_id] = "completed"
+            self.counters.completed += 1
+            return lease
+
+    def release_worker(self, worker: str) -> int:
+        """Re-queue every live lease of a worker that left or was dropped; returns how many."""
+        with self._lock:
+            leases = [lease for lease in self.live.values() if lease.worker == worker]
+            for lease in leases:
+                self._requeue_locked(lease, "expired")
+            return len(leases)
+
+    def expire(self) -> None:
+        with self._lock:
+            self._expire_locked()
+
+    def outstanding_groups(self) -> int:
+        with self._lock:
+            return sum(len(lease.group_ids) for lease in self.live.values())
+
+    def _expire_locked(self) -> None:
+        now = time.monotonic()
+        for lease in [lease for lease in self.live.values() if lease.deadline < now]:
+            self._requeue_locked(lease, "expired")
+
+    def _requeue_locked(self, lease: Lease, how: str) -> None:
+        del self.live[lease.lease_id]
+        self.closed[lease.lease_id] = how
+        self.counters.expired += 1
+        self.counters.reissued_groups += len(lease.group_ids)
+        self.requeued.extend(lease.group_ids)

@@ -1,0 +1,110 @@
+"""What every training loop shares: opening (or resuming) a run directory, and recording a step.
+
+RUN_DIR/metrics.jsonl gets one JSON object per step, written before the step's checkpoint: a crash in
+between leaves only lines that --resume trims. RUN_DIR/config.json holds the run's configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from learner.config import LearnerConfig
+from learner.models import Policy, load_policy
+from learner.tasks import Task, make_task
+from learner.trainer import GRPOTrainer, Rollout
+from p2p.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """An open run: its policy, task and trainer, and where it resumes."""
+
+    cfg: LearnerConfig
+    run_dir: Path
+    policy: Policy
+    task: Task
+    trainer: GRPOTrainer
+    start_step: int
+    wall_offset: float  # seconds of wall time before this process (resumed runs)
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    def record(self, step: int, record: dict) -> None:
+        """Append a step's metrics, then checkpoint if it is time."""
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if step % self.cfg.run.checkpoint_every == 0 or step == self.cfg.run.steps:
+            tick = time.perf_counter()
+            state = {"wall_s": record["wall_s"], "config": dataclasses.asdict(self.cfg)}
+            path = save_checkpoint(
+                self.run_dir, step, self.policy.model, self.trainer.optimizer, state, self.cfg.run.keep_checkpoints
+            )
+            log.info("checkpoint %s written in %.1fs", path, time.perf_counter() - tick)
+
+
+def open_run(cfg: LearnerConfig, resume: bool) -> Run:
+    """Load the policy and task; on --resume restore the newest checkpoint. Never overwrites a run."""
+    torch.set_flush_denormal(True)
+    run_dir = Path(cfg.run.run_dir)
+    metrics_path = run_dir / "metrics.jsonl"
+    checkpoints = list_checkpoints(run_dir)
+    if resume and not checkpoints:
+        raise ConfigError(f"--resume: no checkpoint in {run_dir}/checkpoints; start without --resume")
+    if not resume and (checkpoints or metrics_path.exists()):
+        raise ConfigError(f"{run_dir} already holds a run: pass --resume to continue it or choose another --run-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    policy = load_policy(cfg.model.model, cfg.model.cache_dir, cfg.run.seed)
+    task = make_task(cfg.task.task, cfg.task.task_args)
+    trainer = GRPOTrainer(policy.model, cfg.grpo, cfg.sampler.temperature)
+    start_step, wall_offset = 0, 0.0
+    if resume:
+        state = load_checkpoint(checkpoints[-1], policy.model, trainer.optimizer)
+        saved_model = state["config"]["model"]["model"]
+        if saved_model != cfg.model.model:
+            raise ConfigError(f"--model {cfg.model.model!r} differs from the checkpoint's {saved_model!r}")
+        start_step, wall_offset = state["step"], state["wall_s"]
+        truncate_metrics(metrics_path, start_step)
+        log.info("resumed from %s at step %d", checkpoints[-1], start_step)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    return Run(cfg, run_dir, policy, task, trainer, start_step, wall_offset)
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop metric lines after `last_step` (written after the checkpoint we resume from)."""
+    if not path.exists():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= last_step]
+    path.write_text("".join(ln + "\n" for ln in lines))
+
+
+def batch_metrics(rollouts: list[Rollout], groups: list[list[Rollout]], stats: dict) -> dict:
+    """The metrics every loop reports about the batch it trained on."""
+    rewards = [r.reward for r in rollouts]
+    tokens = sum(len(r.completion_ids) for r in rollouts)
+    return {
+        "reward_mean": float(np.mean(rewards)),
+        "accuracy": float(np.mean([r >= 1.0 for r in rewards])),
+        "loss": stats["loss"],
+        "kl": stats["kl_behaviour"],
+        "kl_ref": stats["kl_ref"],
+        "clip_frac": stats["clip_frac"],
+        "grad_norm": stats["grad_norm"],
+        "tokens": tokens,
+        "trained_tokens": stats["trained_tokens"],
+        "completion_len_mean": tokens / len(rollouts),
+        "equal_reward_groups": sum(len({r.reward for r in g}) == 1 for g in groups),
+    }

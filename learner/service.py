@@ -1,0 +1,236 @@
+"""The learner's side of the worker protocols: model spec, leases, rollout intake and heartbeats.
+
+Handlers run in the host's worker threads, concurrently with the training loop; everything they share
+with it (the replay buffer, the lease table, the versions) is thread-safe. Every rollout is validated
+before it is scored: schema, counts, token ids within the vocabulary, lengths within the lease's token
+budget, finite non-positive logprobs, lease ownership. Rewards are computed here, never taken from a
+worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from learner.colocated import step_seed
+from learner.config import LearnerConfig
+from learner.leases import LeaseError, LeaseTable
+from learner.models import Policy
+from learner.replay import ReplayBuffer, ScoredGroup
+from learner.rollouts import score_groups
+from learner.tasks import Problem, Task
+from p2p.host import BadRequest, Host
+from p2p.messages import HEARTBEAT, LEASE, ROLLOUT, SPEC, Completion, ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerRecord:
+    """What the learner knows about one worker."""
+
+    peer_id: str
+    price: float = 0.0
+    version: int = -1  # newest version it reported holding
+    tokens_per_s: float = 0.0  # its own measurement, from heartbeats
+    last_seen: float = field(default_factory=time.monotonic)
+    groups_accepted: int = 0
+    tokens_accepted: int = 0
+    refused: int = 0
+
+
+class LearnerService:
+    """Serves SPEC, LEASE, ROLLOUT and HEARTBEAT for one run.
+
+    Lease policy. pull: a worker gets a lease only if it holds the newest version, and only until the
+    groups leased or buffered at that version make one batch. async: a worker gets a lease if its version
+    is within the staleness bound (v - x <= S), while leased plus buffered groups stay below
+    prefetch_batches batches.
+    """
+
+    def __init__(
+        self, host: Host, cfg: LearnerConfig, policy: Policy, task: Task, spec: ModelSpec, run_id: str, first_group: int
+    ) -> None:
+        self.host = host
+        self.cfg = cfg
+        self.policy = policy
+        self.task = task
+        self.spec = spec
+        self.run_id = run_id
+        swarm = cfg.swarm
+        self.buffer = ReplayBuffer(0 if swarm.sync_mode == "pull" else swarm.staleness)
+        self.leases = LeaseTable(swarm.lease_timeout, first_group)
+        self.version = 0  # policy version the learner holds (optimizer steps done)
+        self.newest_published = -1
+        self.workers: dict[str, WorkerRecord] = {}
+        self.bcast_seconds: dict[int, float] = {}  # version -> seconds until the first worker held it
+        self.published_at: dict[int, float] = {}
+        self._problems: dict[int, tuple[Problem, list[int]]] = {}
+        self._lock = threading.Lock()
+        host.handle(SPEC, self._on_spec)
+        host.handle(LEASE, self._on_lease)
+        host.handle(ROLLOUT, self._on_rollout)
+        host.handle(HEARTBEAT, self._on_heartbeat)
+
+    def problem(self, group_id: int) -> tuple[Problem, list[int]]:
+        """The prompt of group `group_id`: chosen by the learner, seeded by (run seed, group id)."""
+        with self._lock:
+            if group_id not in self._problems:
+                problem = self.task.sample(random.Random(step_seed(self.cfg.run.seed, group_id)))
+                self._problems[group_id] = (problem, self.policy.render_prompt(problem.prompt))
+            return self._problems[group_id]
+
+    def mark_published(self, version: int) -> None:
+        with self._lock:
+            self.newest_published = version
+            self.published_at[version] = time.monotonic()
+
+    def _worker(self, peer: str) -> WorkerRecord:
+        with self._lock:
+            record = self.workers.get(peer)
+            if record is None:
+                record = self.workers[peer] = WorkerRecord(peer)
+            record.last_seen = time.monotonic()
+            return record
+
+    # -- handlers ------------------------------------------------------------------------------------
+
+    def _on_spec(self, peer: str, msg: dict) -> dict:
+        self._worker(peer)
+        return {"run_id": self.run_id, "spec": self.spec.to_dict()}
+
+    def _on_heartbeat(self, peer: str, msg: dict) -> dict:
+        worker = self._worker(peer)
+        version, tps, price = msg.get("version"), msg.get("tokens_per_s"), msg.get("price")
+        if isinstance(version, int):
+            with self._lock:
+                if version > worker.version and version in self.published_at and version not in self.bcast_seconds:
+                    self.bcast_seconds[version] = time.monotonic() - self.published_at[version]
+                worker.version = version
+        if isinstance(tps, int | float) and math.isfinite(tps) and tps >= 0:
+            worker.tokens_per_s = float(tps)
+        if isinstance(price, int | float) and math.isfinite(price) and price >= 0:
+            worker.price = float(price)
+        return {"newest": self.newest_published}
+
+    def _on_lease(self, peer: str, msg: dict) -> dict:
+        worker = self._worker(peer)
+        held, max_groups = msg.get("version"), msg.get("max_groups", 1)
+        if not isinstance(held, int) or not isinstance(max_groups, int) or max_groups < 1:
+            raise BadRequest("lease request needs integer version and max_groups >= 1")
+        worker.version = max(worker.version, held)
+        swarm, grpo = self.cfg.swarm, self.cfg.grpo
+        wait = {"wait": 0.2, "newest": self.newest_published}
+        if held > self.newest_published or held < 0:
+            raise BadRequest(f"version {held} was never published (newest is {self.newest_published})")
+        if swarm.sync_mode == "pull":
+            if held != self.version:
+                return wait  # refresh to the newest version first
+            room = grpo.prompts_per_step - len(self.buffer) - self.leases.outstanding_groups()
+        else:
+            if self.version - held > swarm.staleness:
+                return wait  # too stale to be useful: update first
+            room = swarm.prefetch_batches * grpo.prompts_per_step - len(self.buffer) - self.leases.outstanding_groups()
+        n = min(max_groups, swarm.groups_per_lease, room)
+        if n <= 0:
+            return wait
+        lease = self.leases.issue(peer, n, min_version=held)
+        sampler = self.cfg.sampler
+        return {
+            "lease": {
+                "id": lease.lease_id,
+                "groups": [{"group": g, "prompt_ids": self.problem(g)[1]} for g in lease.group_ids],
+                "group_size": grpo.group_size,
+                "params": {
+                    "temperature": sampler.temperature,
+                    "top_p": sampler.top_p,
+                    "max_new_tokens": sampler.max_new_tokens,
+                    "seed": lease.lease_id,
+                },
+                "min_version": held,
+                "deadline_s": swarm.lease_timeout,
+            }
+        }
+
+    def _on_rollout(self, peer: str, msg: dict) -> dict:
+        worker = self._worker(peer)
+        try:
+            lease_id, version, groups = msg["lease"], msg["version"], msg["groups"]
+            if not isinstance(lease_id, int) or not isinstance(version, int) or not isinstance(groups, list):
+                raise BadRequest("rollout needs integer lease and version and a list of groups")
+            lease = self.leases.live.get(lease_id)
+            if lease is not None:  # ownership and liveness are checked by complete() below
+                completions = self._validate(lease.group_ids, version, lease.min_version, groups)
+            lease = self.leases.complete(lease_id, peer)
+        except LeaseError as exc:
+            worker.refused += 1
+            raise BadRequest(str(exc)) from None
+        except (KeyError, TypeError) as exc:
+            worker.refused += 1
+            raise BadRequest(f"malformed rollout: {type(exc).__name__}: {exc}") from None
+        except BadRequest:
+            worker.refused += 1
+            raise
+        problems = [self.problem(g) for g in lease.group_ids]
+        scored = score_groups(
+            self.task, self.policy, [p for p, _ in problems], [ids for _, ids in problems], completions, version
+        )
+        for group_id, rollouts in zip(lease.group_ids, scored, strict=True):
+            self.buffer.add(ScoredGroup(group_id, version, peer, rollouts))
+        worker.groups_accepted += len(scored)
+        worker.tokens_accepted += sum(len(r.completion_ids) for g in scored for r in g)
+        return {"accepted": len(scored)}
+
+    def _validate(self, group_ids: list[int], version: int, min_version: int, groups: list) -> list[list[Completion]]:
+        """Check a submission against its lease; return its completions or raise BadRequest."""
+        g_size, budget, vocab = self.cfg.grpo.group_size, self.cfg.sampler.max_new_tokens, self.spec.vocab_size
+        if not min_version <= version <= self.newest_published:
+            raise BadRequest(f"version {version} is outside [{min_version}, {self.newest_published}]")
+        if len(groups) != len(group_ids):
+            raise BadRequest(f"lease has {len(group_ids)} groups, got {len(groups)}")
+        out = []
+        for expected, group in zip(group_ids, groups, strict=True):
+            if not isinstance(group, dict) or group.get("group") != expected:
+                raise BadRequest(f"groups must come in lease order (expected group {expected})")
+            completions = group.get("completions")
+            if not isinstance(completions, list) or len(completions) != g_size:
+                raise BadRequest(f"group {expected} needs exactly {g_size} completions")
+            parsed = []
+            for c in completions:
+                tokens, logprobs, finish = c.get("tokens"), c.get("logprobs"), c.get("finish")
+                if not isinstance(tokens, list) or not 1 <= len(tokens) <= budget:
+                    raise BadRequest(f"a completion must have 1 to {budget} tokens")
+                if not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
+                    raise BadRequest(f"token ids must be integers in [0, {vocab})")
+                if not isinstance(logprobs, list) or len(logprobs) != len(tokens):
+                    raise BadRequest("one logprob per token is required")
+                if not all(isinstance(x, float) and math.isfinite(x) and x <= 1e-6 for x in logprobs):
+                    raise BadRequest("logprobs must be finite floats <= 0")
+                if finish not in ("stop", "length"):
+                    raise BadRequest("finish must be 'stop' or 'length'")
+                parsed.append(Completion(tokens, logprobs, finish))
+            out.append(parsed)
+        return out
+
+    # -- figures for metrics and status --------------------------------------------------------------
+
+    def worker_table(self) -> dict[str, dict[str, Any]]:
+        now = time.monotonic()
+        with self._lock:
+            return {
+                peer[-8:]: {
+                    "version": w.version,
+                    "version_lag": self.version - w.version if w.version >= 0 else None,
+                    "tokens_per_s": round(w.tokens_per_s, 1),
+                    "groups": w.groups_accepted,
+                    "refused": w.refused,
+                    "price": w.price,
+                    "seen_s_ago": round(now - w.last_seen, 1),
+                }
+                for peer, w in self.workers.items()
+            }

@@ -1,0 +1,195 @@
+"""`echo-rl worker join`: fetch policy versions from the swarm, generate rollouts, push them back.
+
+    join the learner (and its peers) -> get the model spec -> loop:
+        heartbeat (newest version?) -> sync to it through the swarm, swap the engine's weights
+        lease prompt groups -> generate G completions each with the version held -> push rollouts
+
+The worker serves the chunks it holds to other workers the whole time. It keeps going when the
+learner disappears (it retries until the learner is back, e.g. after `learner start --resume`).
+SIGINT/SIGTERM let the current lease finish and be pushed, then the worker leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from p2p.broadcast import BroadcastPeer, ChunkStore
+from p2p.codec import bf16_to_f32
+from p2p.config import require
+from p2p.host import Host, HostConfig, PeerUnavailable, RemoteError, load_identity
+from p2p.messages import HEARTBEAT, LEASE, ROLLOUT, SPEC, GenerationRequest, ModelSpec, SamplingParams
+from p2p.versions import tensors_of
+from worker.engines import make_engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerConfig:
+    """A rollout worker."""
+
+    learner: str = ""
+    """The learner's full multiaddr (printed by `learner start`, also in RUN_DIR/learner.addr)."""
+    engine: Literal["llamacpp", "transformers"] = "llamacpp"
+    """Inference engine: llamacpp or transformers."""
+    threads: int = 2
+    """CPU threads for generation."""
+    max_batch: int = 32
+    """Sequences decoded together."""
+    max_groups: int = 4
+    """Most prompt groups to ask for in one lease."""
+    price: float = 0.0
+    """What this machine costs, USD per hour (the learner's scheduler prefers cheap workers)."""
+    identity: str = "~/.config/echo-rl/worker.key"
+    """ed25519 identity file (created if missing)."""
+    work_dir: str = "~/.cache/echo-rl/worker"
+    """Where converted weights and spilled chunks go."""
+    listen: str = "/ip4/127.0.0.1/tcp/0"
+    """Multiaddr to listen on for other workers (peer-assisted broadcast)."""
+
+    def validate(self) -> None:
+        require(self.learner.startswith("/") and "/p2p/" in self.learner, "worker.learner",
+                "must be the learner's full multiaddr, e.g. /ip4/1.2.3.4/tcp/4001/p2p/12D3Koo...")  # fmt: skip
+        require(self.threads >= 1, "worker.threads", "must be >= 1")
+        require(self.max_batch >= 1, "worker.max_batch", "must be >= 1")
+        require(self.max_groups >= 1, "worker.max_groups", "must be >= 1")
+        require(self.price >= 0, "worker.price", "must be >= 0")
+        require(self.listen.startswith("/"), "worker.listen", "must be a multiaddr")
+
+
+@dataclass
+class WorkerRootConfig:
+    """`echo-rl worker join` configuration: one [worker] table."""
+
+    worker: WorkerConfig
+
+    def validate(self) -> None:
+        self.worker.validate()
+
+
+class WorkerDaemon:
+    """One worker process: swarm peer, engine, lease loop."""
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.stop = threading.Event()
+        self.host: Host | None = None
+        self.peer: BroadcastPeer | None = None
+        self.engine: Any = None
+        self.spec: ModelSpec | None = None
+        self.held: tuple[int, bytes] | None = None  # (version, raw bf16 bytes)
+        self.tokens_per_s = 0.0
+        self.leases_done = 0
+
+    def install_signal_handlers(self) -> None:
+        def leave(signum: int, frame: object) -> None:
+            log.info("signal %d: finishing the current lease, then leaving", signum)
+            self.stop.set()
+
+        signal.signal(signal.SIGINT, leave)
+        signal.signal(signal.SIGTERM, leave)
+
+    def run(self) -> None:
+        cfg = self.cfg
+        work_dir = Path(cfg.work_dir).expanduser()
+        self.host = Host(load_identity(cfg.identity), HostConfig(listen=[cfg.listen])).start()
+        log.info("worker %s listening on %s", self.host.peer_id, self.host.addrs[0])
+        self.peer = BroadcastPeer(self.host, ChunkStore(spill_dir=work_dir / "chunks"), cfg.learner)
+        self.engine = make_engine(cfg.engine, work_dir / "engine", cfg.threads, cfg.max_batch)
+        backoff = 1.0
+        try:
+            while not self.stop.is_set():
+                try:
+                    self._step()
+                    backoff = 1.0
+                except PeerUnavailable as exc:
+                    log.warning("learner unreachable (%s); retrying in %.0fs", exc, backoff)
+                    self.stop.wait(backoff)
+                    backoff = min(backoff * 2, 10.0)
+                    self.spec = None  # re-join: the learner may have restarted
+                except RemoteError as exc:
+                    log.warning("learner refused: %s", exc)
+                    self.stop.wait(1.0)
+        finally:
+            self.host.stop()
+            log.info("worker left after %d leases", self.leases_done)
+
+    def _request(self, protocol: str, message: dict, timeout: float = 30.0) -> dict:
+        return self.host.request(self.cfg.learner, protocol, message, timeout=timeout)
+
+    def _step(self) -> None:
+        if self.spec is None:
+            self.peer.join()
+            reply = self._request(SPEC, {})
+            self.spec = ModelSpec.from_dict(reply["spec"])
+        newest = self._request(HEARTBEAT, self._heartbeat())["newest"]
+        if self.held is None or newest > self.held[0]:
+            self._update()
+        reply = self._request(LEASE, {"version": self.held[0], "max_groups": self.cfg.max_groups})
+        if "wait" in reply:
+            if reply.get("newest", -1) > self.held[0]:
+                self._update()
+            else:
+                self.stop.wait(float(min(max(reply["wait"], 0.05), 5.0)))
+            return
+        self._work(reply["lease"])
+
+    def _heartbeat(self) -> dict:
+        return {
+            "version": self.held[0] if self.held else -1,
+            "tokens_per_s": self.tokens_per_s,
+            "price": self.cfg.price,
+        }
+
+    def _update(self) -> None:
+        """Sync to the newest version through the swarm and swap it into the engine."""
+        tick = time.perf_counter()
+        result = self.peer.sync(self.held)
+        if result is None:
+            return
+        manifest, raw = result
+        tensors = {
+            name: bf16_to_f32(array) if entry.dtype == "bf16" else np.asarray(array, dtype=np.float32)
+            for (name, array), entry in zip(tensors_of(manifest, raw).items(), manifest.tensors, strict=True)
+        }
+        self.engine.load_policy(self.spec, tensors)
+        self.held = (manifest.version, raw)
+        self._request(HEARTBEAT, self._heartbeat(), timeout=10)  # tell the learner at once
+        log.info("now on v%d (%.1fs to fetch and load)", manifest.version, time.perf_counter() - tick)
+
+    def _work(self, lease: dict) -> None:
+        version = self.held[0]
+        p = lease["params"]
+        params = SamplingParams(float(p["temperature"]), float(p["top_p"]), int(p["max_new_tokens"]), int(p["seed"]))
+        requests = [GenerationRequest(list(g["prompt_ids"]), int(lease["group_size"])) for g in lease["groups"]]
+        tick = time.perf_counter()
+        groups = self.engine.generate(requests, params)
+        elapsed = time.perf_counter() - tick
+        tokens = sum(len(c.tokens) for g in groups for c in g)
+        self.tokens_per_s = tokens / max(elapsed, 1e-9)
+        payload = {
+            "lease": lease["id"],
+            "version": version,
+            "groups": [
+                {
+                    "group": g["group"],
+                    "completions": [
+                        {"tokens": c.tokens, "logprobs": c.logprobs, "finish": c.finish_reason} for c in cs
+                    ],
+                }
+                for g, cs in zip(lease["groups"], groups, strict=True)
+            ],
+        }
+        try:
+            self._request(ROLLOUT, payload, timeout=60)
+            self.leases_done += 1
+        except RemoteError as exc:  # e.g. the lease expired while we generated: the work is discarded
+            log.warning("rollouts refused: %s", exc)
