@@ -32,15 +32,18 @@ log = logging.getLogger("echo_rl")
 
 
 def setup_logging(verbose: bool = False) -> None:
+    """Rich log lines; --verbose shows echo-rl's own debug messages (not those of its libraries)."""
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
+        level=logging.INFO,
         format="%(message)s",
         datefmt="[%X]",
         handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=True)],
         force=True,
     )
-    for noisy in ("transformers", "accelerate", "urllib3", "filelock", "gguf"):
+    for noisy in ("transformers", "accelerate", "urllib3", "filelock", "gguf", "libp2p", "multiaddr"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for ours in ("echo_rl", "learner", "worker", "p2p"):
+        logging.getLogger(ours).setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
 def fail(message: str) -> typer.Exit:

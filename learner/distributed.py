@@ -99,6 +99,8 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                 "buffer": len(service.buffer),
                 "staleness": service.buffer.staleness_histogram(batch, version - 1),
                 "stale_dropped": service.buffer.dropped_stale,
+                "groups_accepted": service.buffer.added,
+                "groups_consumed": service.buffer.consumed,
                 "leases": {
                     "issued": counters.issued,
                     "completed": counters.completed,

@@ -170,6 +170,7 @@ class WorkerDaemon:
         p = lease["params"]
         params = SamplingParams(float(p["temperature"]), float(p["top_p"]), int(p["max_new_tokens"]), int(p["seed"]))
         requests = [GenerationRequest(list(g["prompt_ids"]), int(lease["group_size"])) for g in lease["groups"]]
+        log.debug("lease %d: %d groups on v%d", lease["id"], len(requests), version)
         tick = time.perf_counter()
         groups = self.engine.generate(requests, params)
         elapsed = time.perf_counter() - tick
