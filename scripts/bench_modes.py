@@ -1,0 +1,70 @@
+"""Co-located vs sequential pull vs async push-pull on the same task, measured one after the other.
+
+    .venv/bin/python scripts/bench_modes.py --steps 30 --out runs/modes
+
+Each mode trains the same model on the same config (configs/demo.toml plus --steps) from the same
+initial weights; the swarm modes run a learner and 2 workers on this machine (scripts/local_swarm.py).
+Prints per mode: learner utilisation (training time / wall time), mean reward per step, reward of the
+last 10 steps, wall minutes and reward per wall-clock minute (mean reward gained per minute).
+"""
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def summarize(run_dir: Path) -> dict:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = sum(r["seconds"]["train"] for r in rows)
+    wall = rows[-1]["wall_s"]
+    first = sum(r["reward_mean"] for r in rows[:10]) / min(10, len(rows))
+    last = sum(r["reward_mean"] for r in rows[-10:]) / min(10, len(rows))
+    stale = {}
+    for r in rows:
+        for k, v in r.get("staleness", {}).items():
+            stale[k] = stale.get(k, 0) + v
+    return {
+        "steps": len(rows),
+        "wall_min": round(wall / 60, 2),
+        "utilisation": round(train / wall, 3),
+        "reward_per_step": round(sum(r["reward_mean"] for r in rows) / len(rows), 3),
+        "reward_first10": round(first, 3),
+        "reward_last10": round(last, 3),
+        "reward_gain_per_min": round((last - first) / (wall / 60), 4),
+        "staleness_hist": stale,
+        "stale_dropped": rows[-1].get("stale_dropped", 0),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--out", default="runs/modes")
+    parser.add_argument("--modes", default="colocated,pull,async")
+    args = parser.parse_args()
+    out = Path(args.out)
+    results = {}
+    for mode in args.modes.split(","):
+        run_dir = out / mode
+        shutil.rmtree(run_dir, ignore_errors=True)
+        common = ["--config", "configs/demo.toml", "--steps", str(args.steps), "--run-dir", str(run_dir)]
+        if mode == "colocated":
+            cmd = [PY, "-m", "echo_cli", "learner", "start", "--colocated", *common]
+        else:
+            cmd = [PY, "scripts/local_swarm.py", "--workers", "2", "--worker-threads", "1", "--", *common]
+            cmd += ["--sync-mode", mode]
+        print(f"== {mode}: {' '.join(cmd[1:])}", flush=True)
+        subprocess.run(cmd, cwd=ROOT, check=True)
+        results[mode] = summarize(ROOT / run_dir)
+        print(json.dumps({mode: results[mode]}), flush=True)
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
