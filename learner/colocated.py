@@ -6,7 +6,6 @@ bottom; each step is seeded by (seed, step), so a resumed run continues exactly 
 
 from __future__ import annotations
 
-import hashlib
 import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -17,7 +16,7 @@ import numpy as np
 from learner.config import LearnerConfig
 from learner.models import export_tensors, model_spec
 from learner.rollouts import score_groups
-from learner.run import batch_metrics, open_run
+from learner.run import batch_metrics, open_run, step_seed
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams
 
 
@@ -27,11 +26,6 @@ class Sampler(Protocol):
     def load_policy(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None: ...
 
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]: ...
-
-
-def step_seed(seed: int, step: int) -> int:
-    """A 63-bit seed for step `step` of a run seeded `seed` (stable across processes and Python versions)."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{step}".encode()).digest()[:8], "little") >> 1
 
 
 def train_colocated(cfg: LearnerConfig, engine: Sampler, resume: bool = False) -> Iterator[dict]:

@@ -7,6 +7,7 @@ between leaves only lines that --resume trims. RUN_DIR/config.json holds the run
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -81,6 +82,11 @@ def open_run(cfg: LearnerConfig, resume: bool) -> Run:
         log.info("resumed from %s at step %d", checkpoints[-1], start_step)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     return Run(cfg, run_dir, policy, task, trainer, start_step, wall_offset)
+
+
+def step_seed(seed: int, index: int) -> int:
+    """A 63-bit seed for step (or prompt group) `index` of a run seeded `seed`, stable across processes."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 1
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:

@@ -17,12 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from learner.colocated import step_seed
 from learner.config import LearnerConfig
 from learner.leases import LeaseError, LeaseTable
 from learner.models import Policy
 from learner.replay import ReplayBuffer, ScoredGroup
 from learner.rollouts import score_groups
+from learner.run import step_seed
 from learner.tasks import Problem, Task
 from p2p.host import BadRequest, Host
 from p2p.messages import HEARTBEAT, LEASE, ROLLOUT, SPEC, Completion, ModelSpec

@@ -18,38 +18,13 @@ def metrics(run_dir):
 
 def test_colocated_run_and_exact_resume(tmp_path):
     run = tmp_path / "R"
-    res = run_cli(
-        "learner",
-        "start",
-        "--colocated",
-        "--model",
-        "tiny",
-        "--task",
-        "arithmetic",
-        "--steps",
-        "4",
-        "--run-dir",
-        str(run),
-    )
+    res = start(run, "--task", "arithmetic", "--steps", "4")
     assert res.returncode == 0, res.stderr
     assert [m["step"] for m in metrics(run)] == [1, 2, 3, 4]
     assert (run / "checkpoints" / "step-000004" / "model.safetensors").exists()
     first = metrics(run)
 
-    res = run_cli(
-        "learner",
-        "start",
-        "--colocated",
-        "--model",
-        "tiny",
-        "--task",
-        "arithmetic",
-        "--steps",
-        "6",
-        "--resume",
-        "--run-dir",
-        str(run),
-    )
+    res = start(run, "--task", "arithmetic", "--steps", "6", "--resume")
     assert res.returncode == 0, res.stderr
     m = metrics(run)
     assert [x["step"] for x in m] == [1, 2, 3, 4, 5, 6]
@@ -103,9 +78,7 @@ def test_transformers_engine_runs(tmp_path):
     ],
 )
 def test_bad_input_gives_one_line_error(tmp_path, args, message):
-    res = run_cli(
-        "learner", "start", "--colocated", "--model", "tiny", "--steps", "1", "--run-dir", str(tmp_path / "r"), *args
-    )
+    res = start(tmp_path / "r", "--steps", "1", *args)
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0], res.stderr
@@ -113,10 +86,7 @@ def test_bad_input_gives_one_line_error(tmp_path, args, message):
 
 def test_existing_run_is_not_overwritten(tmp_path):
     run = tmp_path / "R"
-    assert (
-        run_cli("learner", "start", "--colocated", "--model", "tiny", "--steps", "1", "--run-dir", str(run)).returncode
-        == 0
-    )
+    assert start(run, "--steps", "1").returncode == 0
     before = (run / "metrics.jsonl").read_text()
     res = start(run, "--steps", "1")
     assert res.returncode == 2 and "already holds a run" in res.stderr

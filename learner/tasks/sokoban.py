@@ -111,19 +111,24 @@ def parse(board: str) -> tuple[set, set, set, tuple[int, int]]:
     return walls, goals, boxes, player
 
 
+def move(walls: set, boxes: frozenset, player: tuple[int, int], direction: str) -> tuple[frozenset, tuple[int, int]]:
+    """One move: walk, or push the box ahead if the square behind it is free; blocked moves change nothing."""
+    dr, dc = MOVES[direction]
+    step = (player[0] + dr, player[1] + dc)
+    if step in walls:
+        return boxes, player
+    if step in boxes:
+        beyond = (step[0] + dr, step[1] + dc)
+        if beyond in walls or beyond in boxes:
+            return boxes, player
+        boxes = (boxes - {step}) | {beyond}
+    return boxes, step
+
+
 def solved(board: str, moves: str) -> bool:
     """Replay `moves` on `board`; True if all boxes end on goals."""
     walls, goals, boxes, player = parse(board)
-    for m in moves:
-        dr, dc = MOVES[m]
-        step = (player[0] + dr, player[1] + dc)
-        if step in walls:
-            continue
-        if step in boxes:
-            beyond = (step[0] + dr, step[1] + dc)
-            if beyond in walls or beyond in boxes:
-                continue
-            boxes.remove(step)
-            boxes.add(beyond)
-        player = step
+    boxes = frozenset(boxes)
+    for direction in moves:
+        boxes, player = move(walls, boxes, player, direction)
     return boxes == goals
