@@ -250,6 +250,8 @@ class BroadcastPeer(ChunkServer):
         newest, versions = self._manifest_and_versions(None, timeout=10)
         if held is not None and held[0] == newest.version:
             return None
+        if held is not None and held[0] > newest.version:
+            held = None  # the learner went back (restarted from a checkpoint): start from a full snapshot
         chain = [newest]
         while chain[0].base_version is not None and (held is None or chain[0].base_version != held[0]):
             if chain[0].base_version not in versions:

@@ -236,6 +236,11 @@ class Host:
             raise ValueError(f"{addr!r} is not a multiaddr ending in /p2p/PEER_ID ({exc})") from None
 
         async def dial() -> None:
+            network = self._host.get_network()
+            if info.peer_id not in network.connections:
+                # py-libp2p refuses to redial a peer for 60 s after a failed dial; our callers retry with
+                # their own backoff (a worker waiting for a restarted learner), so lift that block
+                network.unblock_peer(info.peer_id)
             with trio.fail_after(timeout):
                 await self._host.connect(info)
 

@@ -118,3 +118,34 @@ def test_killed_worker_lease_is_reissued_and_late_joiner_catches_up(swarm):
     ]
     assert versions and max(versions) > joined_at  # it caught up to versions published after it joined
     assert joined_at < 40
+
+
+def test_worker_reconnects_after_learner_restart(swarm):
+    args = ["--steps", "100000", "--checkpoint-every", "20", "--max-new-tokens", "8"]
+    learner = swarm.learner(*args)
+    swarm.worker("w1")
+    checkpoints = swarm.run_dir / "checkpoints"
+    deadline = time.monotonic() + 120
+    while not (checkpoints.exists() and list(checkpoints.glob("step-*"))):
+        assert time.monotonic() < deadline, swarm.log("learner")[-2000:]
+        time.sleep(0.2)
+    learner.send_signal(signal.SIGKILL)
+    learner.wait(10)
+    time.sleep(2)  # the worker notices and starts retrying
+    resumed = swarm.spawn(
+        "learner2", "learner", "start", "--model", "tiny", "--run-dir", str(swarm.run_dir),
+        "--prompts-per-step", "2", "--group-size", "4", "--resume", *args,
+    )  # fmt: skip
+    first_step = None
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline, swarm.log("learner2")[-3000:] + swarm.log("w1")[-3000:]
+        assert resumed.poll() is None, swarm.log("learner2")[-3000:]
+        if "resumed from" in swarm.log("learner2"):
+            last = swarm.metrics()[-1]
+            first_step = first_step or last["step"]
+            if last["step"] >= first_step + 5 and any(w["groups"] > 0 for w in last["workers"].values()):
+                break  # the same worker came back by itself and feeds the resumed run
+        time.sleep(0.3)
+    # same identity and port: the address the worker was given still reaches the learner
+    assert (swarm.run_dir / "learner.addr").read_text().strip() == swarm.addr

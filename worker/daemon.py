@@ -22,9 +22,10 @@ from typing import Any, Literal
 import numpy as np
 
 from p2p.broadcast import BroadcastPeer, ChunkStore
-from p2p.codec import bf16_to_f32
+from p2p.codec import CodecError, bf16_to_f32
 from p2p.config import require
 from p2p.host import Host, HostConfig, PeerUnavailable, RemoteError, load_identity
+from p2p.manifest import ManifestError
 from p2p.messages import HEARTBEAT, LEASE, ROLLOUT, SPEC, GenerationRequest, ModelSpec, SamplingParams
 from p2p.versions import tensors_of
 from worker.engines import make_engine
@@ -86,6 +87,7 @@ class WorkerDaemon:
         self.engine: Any = None
         self.spec: ModelSpec | None = None
         self.held: tuple[int, bytes] | None = None  # (version, raw bf16 bytes)
+        self.run_id: str | None = None
         self.tokens_per_s = 0.0
         self.leases_done = 0
 
@@ -118,6 +120,10 @@ class WorkerDaemon:
                 except RemoteError as exc:
                     log.warning("learner refused: %s", exc)
                     self.stop.wait(1.0)
+                except (CodecError, ManifestError) as exc:  # a bad version: start over from a full snapshot
+                    log.warning("could not rebuild the policy (%s); fetching it again", exc)
+                    self.held = None
+                    self.stop.wait(1.0)
         finally:
             self.host.stop()
             log.info("worker left after %d leases", self.leases_done)
@@ -130,12 +136,14 @@ class WorkerDaemon:
             self.peer.join()
             reply = self._request(SPEC, {})
             self.spec = ModelSpec.from_dict(reply["spec"])
+            if reply["run_id"] != self.run_id:  # a new run, or the learner restarted: versions start over
+                self.run_id, self.held = reply["run_id"], None
         newest = self._request(HEARTBEAT, self._heartbeat())["newest"]
-        if self.held is None or newest > self.held[0]:
+        if self.held is None or newest != self.held[0]:
             self._update()
         reply = self._request(LEASE, {"version": self.held[0], "max_groups": self.cfg.max_groups})
         if "wait" in reply:
-            if reply.get("newest", -1) > self.held[0]:
+            if reply.get("newest", -1) != self.held[0]:
                 self._update()
             else:
                 self.stop.wait(float(min(max(reply["wait"], 0.05), 5.0)))
