@@ -75,12 +75,13 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                 service.leases.expire()
             seconds["wait"], tick = time.perf_counter() - tick, time.perf_counter()
 
-            # 2. one optimizer step on them
+            # 2. one optimizer step on them. The version moves on before the step: leases handed out
+            #    from now on are measured against it (in pull mode: none until it is published)
+            version = step
+            service.version = version
             groups = [g.rollouts for g in batch]
             rollouts = [r for g in groups for r in g]
             stats = trainer.step(rollouts)
-            version = step
-            service.version = version
             seconds["train"], tick = time.perf_counter() - tick, time.perf_counter()
 
             # 3. publish every kappa steps

@@ -130,7 +130,7 @@ class LearnerService:
             raise BadRequest(f"version {held} was never published (newest is {self.newest_published})")
         if swarm.sync_mode == "pull":
             if held != self.version:
-                return wait  # refresh to the newest version first
+                return wait  # refresh to the newest version first (or wait until it is published)
             room = grpo.prompts_per_step - len(self.buffer) - self.leases.outstanding_groups()
         else:
             if self.version - held > swarm.staleness:

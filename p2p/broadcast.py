@@ -238,7 +238,9 @@ class BroadcastPeer(ChunkServer):
         versions = [v for v in reply.get("versions", []) if isinstance(v, int)]
         return manifest, versions
 
-    def sync(self, held: tuple[int, bytes] | None, timeout: float = 600.0) -> tuple[Manifest, bytes] | None:
+    def sync(
+        self, held: tuple[int, bytes] | None, timeout: float = 600.0, stop: threading.Event | None = None
+    ) -> tuple[Manifest, bytes] | None:
         """Bring `held` = (version, raw weights) up to the learner's newest version.
 
         Returns (manifest, raw) of the newest version, or None if `held` is already the newest. Fetches
@@ -259,7 +261,7 @@ class BroadcastPeer(ChunkServer):
             chain.insert(0, self._manifest_and_versions(chain[0].base_version, timeout=10)[0])
         raw = held[1] if held is not None and chain[0].base_version is not None else None
         for manifest in chain:
-            raw = rebuild_raw(manifest, self.fetch(manifest, timeout=timeout), raw)
+            raw = rebuild_raw(manifest, self.fetch(manifest, timeout=timeout, stop=stop), raw)
         for version in list(self.store.manifests):
             if version < newest.version and version not in {m.version for m in chain}:
                 self.store.drop(version)
@@ -276,8 +278,12 @@ class BroadcastPeer(ChunkServer):
     def _alive(self, peer: str) -> bool:
         return self.dead_until.get(peer, 0.0) < time.monotonic() and self.penalties[peer] < PENALTY_LIMIT
 
-    def fetch(self, manifest: Manifest, timeout: float = 600.0) -> list[bytes]:
-        """Download every chunk of `manifest` (already verified), serving what we hold meanwhile."""
+    def fetch(self, manifest: Manifest, timeout: float = 600.0, stop: threading.Event | None = None) -> list[bytes]:
+        """Download every chunk of `manifest` (already verified), serving what we hold meanwhile.
+
+        Raises PeerUnavailable when `stop` is set, or when the learner is unreachable and no peer has
+        anything left to give us.
+        """
         version, n = manifest.version, len(manifest.chunks)
         self.store.add_manifest(manifest)
         deadline = time.monotonic() + timeout
@@ -303,6 +309,14 @@ class BroadcastPeer(ChunkServer):
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"version {version}: {len(held)}/{n} chunks after {timeout}s")
+                if stop is not None and stop.is_set():
+                    raise PeerUnavailable(f"stopped while fetching version {version}")
+                if (
+                    not inflight
+                    and not self._alive(self.learner)
+                    and not any(self._alive(p) and self.peer_have[p].get(version, set()) - held for p in self.peers)
+                ):
+                    raise PeerUnavailable(f"version {version}: the learner is unreachable and no peer can help")
                 if any(source == self.learner for _, source in failed):
                     # the learner refused a chunk: it dropped this version (a newer full snapshot is out)
                     raise RemoteError(f"version {version} is no longer held by the learner")

@@ -84,9 +84,12 @@ def check_accounting(metrics: list[dict], staleness: int) -> None:
 @pytest.mark.parametrize("mode, staleness", [("async", 1), ("pull", 0)])
 def test_learner_and_two_workers_train(swarm, mode, staleness):
     learner = swarm.learner("--steps", "8", "--sync-mode", mode, "--staleness", str(staleness))
-    swarm.worker("w1")
-    swarm.worker("w2")
+    workers = [swarm.worker("w1"), swarm.worker("w2")]
     assert swarm.wait(learner, 240) == 0, swarm.log("learner")[-3000:]
+    for w in workers:  # SIGTERM: a worker leaves cleanly
+        w.send_signal(signal.SIGTERM)
+    assert [w.wait(60) for w in workers] == [0, 0]
+    assert "worker left" in swarm.log("w1") and "worker left" in swarm.log("w2")
     metrics = swarm.metrics()
     assert len(metrics) == 8
     check_accounting(metrics, staleness)

@@ -160,7 +160,7 @@ class WorkerDaemon:
     def _update(self) -> None:
         """Sync to the newest version through the swarm and swap it into the engine."""
         tick = time.perf_counter()
-        result = self.peer.sync(self.held)
+        result = self.peer.sync(self.held, stop=self.stop)
         if result is None:
             return
         manifest, raw = result

@@ -1,0 +1,68 @@
+import time
+
+import pytest
+
+from learner.leases import LeaseError, LeaseTable
+from learner.replay import ReplayBuffer, ScoredGroup
+from p2p.broadcast import ChunkStore
+
+
+def test_leases_expire_and_their_groups_are_reissued_first():
+    table = LeaseTable(timeout_s=0.05)
+    a = table.issue("w1", 2, min_version=0)
+    assert a.group_ids == [0, 1]
+    time.sleep(0.1)
+    b = table.issue("w2", 3, min_version=0)
+    assert b.group_ids == [0, 1, 2]  # w1's expired groups first, then a new one
+    with pytest.raises(LeaseError, match="late"):
+        table.complete(a.lease_id, "w1")
+    assert table.counters.expired == 1 and table.counters.refused == {"late": 1}
+
+
+def test_duplicate_foreign_and_unknown_submissions_are_refused():
+    table = LeaseTable(timeout_s=60)
+    lease = table.issue("w1", 1, min_version=0)
+    with pytest.raises(LeaseError, match="another worker"):
+        table.complete(lease.lease_id, "w2")
+    table.complete(lease.lease_id, "w1")
+    with pytest.raises(LeaseError, match="duplicate"):
+        table.complete(lease.lease_id, "w1")
+    with pytest.raises(LeaseError, match="unknown"):
+        table.complete(12345, "w1")
+    assert table.counters.refused == {"not_owner": 1, "duplicate": 1, "unknown": 1}
+
+
+def test_release_worker_requeues_its_leases():
+    table = LeaseTable(timeout_s=60)
+    table.issue("gone", 2, min_version=0)
+    table.issue("here", 1, min_version=0)
+    assert table.release_worker("gone") == 1
+    assert table.outstanding_groups() == 1
+    assert table.issue("here", 2, min_version=0).group_ids == [0, 1]
+
+
+def group(gid, version):
+    return ScoredGroup(gid, version, "w", [])
+
+
+def test_replay_buffer_respects_staleness_and_counts_drops():
+    buf = ReplayBuffer(staleness=1)
+    for gid, version in [(0, 3), (1, 4), (2, 5), (3, 5)]:
+        buf.add(group(gid, version))
+    batch = buf.take(2, version=5, timeout=0.1)
+    assert [g.group_id for g in batch] == [1, 2]  # v3 is 2 behind: dropped; oldest usable first
+    assert buf.dropped_stale == 1 and len(buf) == 1
+    assert buf.take(2, version=5, timeout=0.05) is None  # only one usable group left
+    assert buf.added == buf.consumed + len(buf) + buf.dropped_stale
+    assert buf.staleness_histogram(batch, 5) == {"0": 1, "1": 1}
+
+
+def test_chunk_store_spills_to_disk(tmp_path):
+    store = ChunkStore(spill_dir=tmp_path, memory_budget=10)
+    store.put(1, 0, b"12345678")
+    store.put(1, 1, b"abcdefgh")  # over the budget: written to disk
+    assert store.memory_used == 8
+    assert store.get(1, 1) == b"abcdefgh" and (tmp_path / "v1" / "000001.chunk").exists()
+    assert store.held(1) == {0, 1}
+    store.drop(1)
+    assert store.held(1) == set() and not (tmp_path / "v1" / "000001.chunk").exists()
