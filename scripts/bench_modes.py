@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", default="runs/modes")
     parser.add_argument("--modes", default="colocated,pull,async")
+    parser.add_argument("--seed", type=int, default=0, help="run seed: prompts, sampling")
     args = parser.parse_args()
     out = Path(args.out)
     results = {}
@@ -54,6 +55,7 @@ def main() -> None:
         run_dir = out / mode
         shutil.rmtree(run_dir, ignore_errors=True)
         common = ["--config", "configs/demo.toml", "--steps", str(args.steps), "--run-dir", str(run_dir)]
+        common += ["--seed", str(args.seed)]
         if mode == "colocated":
             cmd = [PY, "-m", "echo_cli", "learner", "start", "--colocated", *common]
         else:
