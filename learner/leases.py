@@ -69,6 +69,11 @@ class LeaseTable:
             self.counters.issued += 1
             return lease
 
+    def get(self, lease_id: int) -> Lease | None:
+        """The live lease `lease_id`, if any (for checking a submission before closing its lease)."""
+        with self._lock:
+            return self.live.get(lease_id)
+
     def complete(self, lease_id: int, worker: str) -> Lease:
         """Close a live lease of `worker`; raises LeaseError (and counts why) otherwise."""
         with self._lock:

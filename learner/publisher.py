@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import msgpack
 import torch
@@ -35,7 +34,6 @@ class Publisher:
         self.chunk_size = chunk_size
         self.published = 0
         self.previous: tuple[int, bytes] | None = None  # (version, raw bf16 bytes) of the last publication
-        self.published_at: dict[int, float] = {}
 
     def publish(self, version: int, model: torch.nn.Module) -> Manifest:
         tensors = {name: bf16_bits(array) for name, array in export_tensors(model).items()}
@@ -52,7 +50,6 @@ class Publisher:
                 self.seeder.store.drop(old)
         self.previous = (version, raw)
         self.published += 1
-        self.published_at[version] = time.monotonic()
         try:
             host.publish(VERSIONS_TOPIC, msgpack.packb({"run_id": self.run_id, "version": version}))
         except Exception as exc:  # noqa: BLE001 - an announcement is a hint; workers also poll

@@ -163,7 +163,7 @@ class LearnerService:
             lease_id, version, groups = msg["lease"], msg["version"], msg["groups"]
             if not isinstance(lease_id, int) or not isinstance(version, int) or not isinstance(groups, list):
                 raise BadRequest("rollout needs integer lease and version and a list of groups")
-            lease = self.leases.live.get(lease_id)
+            lease = self.leases.get(lease_id)
             if lease is not None:  # ownership and liveness are checked by complete() below
                 completions = self._validate(lease.group_ids, version, lease.min_version, groups)
             lease = self.leases.complete(lease_id, peer)

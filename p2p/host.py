@@ -141,7 +141,6 @@ class Host:
         self.config = config or HostConfig()
         self.peer_id = peer_id_of(key)
         self.addrs: list[str] = []
-        self._handlers: dict[str, Handler] = {}
         self._subscribers: dict[str, list[Callable[[str, bytes], None]]] = {}
         self._token: trio.lowlevel.TrioToken | None = None
         self._ready = threading.Event()
@@ -246,9 +245,9 @@ class Host:
 
         try:
             self._run(dial)
-        except (trio.TooSlowError, OSError, Exception) as exc:
-            if isinstance(exc, PeerUnavailable):
-                raise
+        except PeerUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - timeouts, refused dials, failed handshakes
             raise PeerUnavailable(f"cannot reach {addr}: {type(exc).__name__}: {exc}") from None
         return info.peer_id.to_base58()
 
@@ -292,7 +291,6 @@ class Host:
         `concurrency` bounds how many requests are answered at once (the rest wait their turn), so that
         a capped uplink sends a few replies at full speed rather than many at a crawl.
         """
-        self._handlers[protocol] = handler
         slots = self._run_sync(trio.Semaphore, concurrency) if concurrency else None
 
         async def on_stream(stream: Any) -> None:
