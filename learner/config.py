@@ -79,6 +79,8 @@ class GRPOConfig:
     """Upper clip of the ratio."""
     ratio_cap: float = 3.0
     """Truncation of the importance ratio for negative advantages (stale or mismatched tokens)."""
+    objective: Literal["behaviour", "decoupled"] = "behaviour"
+    """behaviour: clip the ratio to the sampler's policy; decoupled: clip to the learner's, re-weight stale tokens."""
     beta: float = 0.0
     """Weight of the KL penalty to the initial policy (0 = no reference model kept)."""
     max_grad_norm: float = 1.0

@@ -72,7 +72,7 @@ class GRPOTrainer:
             advantages = torch.repeat_interleave(torch.tensor([r.advantage for r in batch]), lengths)  # [N]
             loss, stats = policy_loss(
                 logp, behaviour, advantages, weights,
-                cfg.eps_low, cfg.eps_high, cfg.ratio_cap, logp_ref, cfg.beta,
+                cfg.eps_low, cfg.eps_high, cfg.ratio_cap, logp_ref, cfg.beta, cfg.objective == "decoupled",
             )  # fmt: skip
             loss.backward()
             share = float(lengths.sum()) / total_tokens

@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/modes")
     parser.add_argument("--modes", default="colocated,pull,async")
     parser.add_argument("--seed", type=int, default=0, help="run seed: prompts, sampling")
+    parser.add_argument("--extra", nargs="*", default=[], help="more learner flags, e.g. --extra=--objective=decoupled")
     args = parser.parse_args()
     out = Path(args.out)
     results = {}
@@ -55,7 +56,7 @@ def main() -> None:
         run_dir = out / mode
         shutil.rmtree(run_dir, ignore_errors=True)
         common = ["--config", "configs/demo.toml", "--steps", str(args.steps), "--run-dir", str(run_dir)]
-        common += ["--seed", str(args.seed)]
+        common += ["--seed", str(args.seed), *args.extra]
         if mode == "colocated":
             cmd = [PY, "-m", "echo_cli", "learner", "start", "--colocated", *common]
         else:

@@ -57,3 +57,18 @@ def test_kl_penalty_k3():
     k3 = torch.exp(d) - d - 1
     assert loss.item() == pytest.approx(float(0.1 * k3.mean()), rel=1e-6)
     assert stats["kl_ref"] == pytest.approx(float(k3.mean()), rel=1e-6)
+
+
+def test_decoupled_objective_reweights_instead_of_clipping():
+    logp_mu = torch.tensor([-1.0, -2.0, -3.0])
+    log_ratio = torch.tensor([0.1, 0.5, 1.5])  # how far the learner moved from the (stale) sampler
+    logp = (logp_mu + log_ratio).clone().requires_grad_(True)
+    adv = torch.tensor([1.0, 2.0, -1.0])
+    w = torch.full((3,), 1 / 3)
+    loss, stats = policy_loss(logp, logp_mu, adv, w, 0.2, 0.2, ratio_cap=3.0, decoupled=True)
+    iw = [math.exp(0.1), math.exp(0.5), 3.0]  # exp(1.5) = 4.48 is truncated at the cap
+    assert loss.item() == pytest.approx(-(iw[0] * 1 + iw[1] * 2 + iw[2] * -1) / 3, rel=1e-6)
+    loss.backward()
+    # the proximal ratio is 1 at the start of the step: every token keeps its gradient, weighted by iw
+    assert logp.grad.tolist() == pytest.approx([-iw[0] / 3, -2 * iw[1] / 3, iw[2] / 3], rel=1e-6)
+    assert stats["clip_frac"] == 0.0
