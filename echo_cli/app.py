@@ -47,7 +47,7 @@ def setup_logging(verbose: bool = False) -> None:
 
 
 def fail(message: str) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)  # one line, never wrapped
     return typer.Exit(2)
 
 
@@ -134,6 +134,26 @@ def worker_join(
     daemon = WorkerDaemon(cfg)
     daemon.install_signal_handlers()
     daemon.run()
+
+
+@app.command("status")
+def status(
+    learner: str | None = typer.Option(None, "--learner", help="The learner's multiaddr."),
+    run_dir: str | None = typer.Option(None, "--run-dir", help="Read the learner's address from RUN_DIR/learner.addr."),
+    json_out: bool = typer.Option(False, "--json", help="One JSON document (schema in docs/status.md)."),
+    watch: bool = typer.Option(False, "--watch", help="Refresh in place every --interval seconds."),
+    timeout: float = typer.Option(5.0, "--timeout", help="Seconds to wait for the learner."),
+    interval: float = typer.Option(2.0, "--interval", help="Seconds between refreshes with --watch."),
+) -> None:
+    """Show the swarm: the learner's step, mode, utilisation and buffer, and every worker."""
+    from echo_cli.status import StatusError, learner_address, show_status
+
+    try:
+        show_status(learner_address(learner, run_dir), json_out, watch, timeout, interval)
+    except StatusError as exc:
+        raise fail(str(exc)) from None
+    except KeyboardInterrupt:
+        pass
 
 
 @bench_app.command("sampler")

@@ -56,7 +56,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
         seeder = Seeder(host, ChunkStore(spill_dir=run.run_dir / "chunks", memory_budget=1 << 30))
         publisher = Publisher(seeder, run_id=secrets.token_hex(8), full_every=cfg.swarm.full_every)
         service = LearnerService(
-            host, cfg, policy, run.task, model_spec(policy), publisher.run_id, first_group=run.start_step * 1000
+            seeder, cfg, policy, run.task, model_spec(policy), publisher.run_id, first_group=run.start_step * 1000
         )
         version = run.start_step
         service.version = version
@@ -114,6 +114,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                 "seconds": {k: round(v, 4) for k, v in seconds.items()},
             }
             run.record(step, record)
+            service.last_step = record
             yield record
     finally:
         host.stop()

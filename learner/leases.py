@@ -103,6 +103,14 @@ class LeaseTable:
         with self._lock:
             self._expire_locked()
 
+    def open_leases(self) -> dict[str, int]:
+        """Live leases per worker."""
+        with self._lock:
+            out: dict[str, int] = {}
+            for lease in self.live.values():
+                out[lease.worker] = out.get(lease.worker, 0) + 1
+            return out
+
     def outstanding_groups(self) -> int:
         with self._lock:
             return sum(len(lease.group_ids) for lease in self.live.values())

@@ -24,8 +24,9 @@ from learner.replay import ReplayBuffer, ScoredGroup
 from learner.rollouts import score_groups
 from learner.run import step_seed
 from learner.tasks import Problem, Task
-from p2p.host import BadRequest, Host
-from p2p.messages import HEARTBEAT, LEASE, ROLLOUT, SPEC, Completion, ModelSpec
+from p2p.broadcast import Seeder
+from p2p.host import BadRequest
+from p2p.messages import HEARTBEAT, LEASE, ROLLOUT, SPEC, STATUS, Completion, ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +55,17 @@ class LearnerService:
     """
 
     def __init__(
-        self, host: Host, cfg: LearnerConfig, policy: Policy, task: Task, spec: ModelSpec, run_id: str, first_group: int
+        self,
+        seeder: Seeder,
+        cfg: LearnerConfig,
+        policy: Policy,
+        task: Task,
+        spec: ModelSpec,
+        run_id: str,
+        first_group: int,
     ) -> None:
-        self.host = host
+        self.seeder = seeder
+        self.host = host = seeder.host
         self.cfg = cfg
         self.policy = policy
         self.task = task
@@ -76,6 +85,9 @@ class LearnerService:
         host.handle(LEASE, self._on_lease)
         host.handle(ROLLOUT, self._on_rollout)
         host.handle(HEARTBEAT, self._on_heartbeat)
+        host.handle(STATUS, lambda peer, msg: self.status())  # read-only, open to any peer
+        self.last_step: dict[str, Any] = {}  # the newest step's metrics, set by the training loop
+        self.started = time.monotonic()
 
     def problem(self, group_id: int) -> tuple[Problem, list[int]]:
         """The prompt of group `group_id`: chosen by the learner, seeded by (run seed, group id)."""
@@ -218,6 +230,53 @@ class LearnerService:
         return out
 
     # -- figures for metrics and status --------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The status document served on /echo/status/1 (schema: docs/status.md)."""
+        swarm, last = self.cfg.swarm, self.last_step
+        newest = self.newest_published
+        manifest = self.seeder.store.manifests.get(newest)
+        open_leases = self.leases.open_leases()
+        now = time.monotonic()
+        peers = []
+        with self._lock:
+            workers = list(self.workers.values())
+        for w in workers:
+            have = len(self.seeder.peer_have.get(w.peer_id, {}).get(newest, ()))
+            peers.append(
+                {
+                    "peer_id": w.peer_id,
+                    "role": "worker",
+                    "price": w.price,
+                    "version": w.version,
+                    "version_lag": self.version - w.version if w.version >= 0 else None,
+                    "newest_share": 1.0 if w.version == newest else (have / len(manifest.chunks) if manifest else 0.0),
+                    "tokens_per_s": round(w.tokens_per_s, 1),
+                    "open_leases": open_leases.get(w.peer_id, 0),
+                    "groups_accepted": w.groups_accepted,
+                    "refused": w.refused,
+                    "last_seen_s": round(now - w.last_seen, 1),
+                }
+            )
+        return {
+            "schema": 1,
+            "run_id": self.run_id,
+            "peer_id": self.host.peer_id,
+            "addrs": self.host.addrs,
+            "step": self.version,
+            "steps": self.cfg.run.steps,
+            "version_published": newest,
+            "mode": swarm.sync_mode,
+            "staleness": swarm.staleness,
+            "publish_every": swarm.publish_every,
+            "utilisation": last.get("utilisation"),
+            "reward": last.get("reward_mean"),
+            "buffer": len(self.buffer),
+            "rollouts_per_s": round(self.buffer.added * self.cfg.grpo.group_size / max(now - self.started, 1e-9), 2),
+            "stale_dropped": self.buffer.dropped_stale,
+            "uptime_s": round(now - self.started, 1),
+            "peers": peers,
+        }
 
     def worker_table(self) -> dict[str, dict[str, Any]]:
         now = time.monotonic()

@@ -398,6 +398,10 @@ class BroadcastPeer(ChunkServer):
 
     def _exchange_have_maps(self, version: int, n: int, held: set[int]) -> None:
         mine = bitmap(held, n)
+        try:  # the learner only records it (for `echo-rl status`); its own map is all ones
+            self.host.request(self.learner_addr, HAVE, {"version": version, "have": mine}, timeout=5)
+        except (PeerUnavailable, RemoteError):
+            pass
         for peer in list(self.peers):
             if not self._alive(peer):
                 continue

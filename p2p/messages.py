@@ -80,3 +80,4 @@ SPEC = "/echo/spec/1"  # {} -> {"run_id", "spec": ModelSpec dict}
 LEASE = "/echo/lease/1"  # {"version", "max_groups"} -> {"lease": {...}} or {"wait": seconds, "newest": v}
 ROLLOUT = "/echo/rollout/1"  # {"lease", "version", "groups": [...]} -> {"accepted", "stale"}
 HEARTBEAT = "/echo/heartbeat/1"  # {"version", "tokens_per_s", "price"} -> {"newest": v}
+STATUS = "/echo/status/1"  # {} -> the learner's status document (see learner.service.LearnerService.status)

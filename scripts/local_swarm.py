@@ -11,10 +11,19 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 ECHO = [sys.executable, "-m", "echo_cli"]
+
+
+def show_status(learner: subprocess.Popen, run_dir: Path, every: float) -> None:
+    """Print the swarm's status table every `every` seconds while the learner runs."""
+    while learner.poll() is None:
+        time.sleep(every)
+        if learner.poll() is None:
+            subprocess.run(ECHO + ["status", "--run-dir", str(run_dir)], check=False)
 
 
 def main() -> int:
@@ -22,6 +31,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--worker-threads", type=int, default=1)
     parser.add_argument("--engine", default="llamacpp")
+    parser.add_argument("--status-every", type=float, default=0, help="print `echo-rl status` every N seconds")
     parser.add_argument("learner_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     learner_args = [a for a in args.learner_args if a != "--"]
@@ -48,6 +58,8 @@ def main() -> int:
             cmd += ["--engine", args.engine, "--identity", str(run_dir / f"worker-{k}.key")]
             cmd += ["--work-dir", str(run_dir / f"worker-{k}")]
             workers.append(subprocess.Popen(cmd, stdout=log, stderr=log, env={**os.environ, "COLUMNS": "120"}))
+        if args.status_every > 0:
+            threading.Thread(target=show_status, args=(learner, run_dir, args.status_every), daemon=True).start()
         return learner.wait()
     except KeyboardInterrupt:
         learner.send_signal(signal.SIGINT)

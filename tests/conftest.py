@@ -17,7 +17,7 @@ def tiny():
 
 def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run `echo-rl ARGS` as a real subprocess (python -m echo_cli) and capture its output."""
-    env = {**os.environ, "COLUMNS": "200"}
+    env = dict(os.environ)
     return subprocess.run(
         [sys.executable, "-m", "echo_cli", *args],
         capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT, env=env,
