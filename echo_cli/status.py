@@ -77,9 +77,7 @@ def render(doc: dict) -> Group:
 
 
 def show_status(addr: str, as_json: bool, watch: bool, timeout: float, interval: float) -> None:
-    from libp2p.crypto.ed25519 import Ed25519PrivateKey
-
-    with Host(Ed25519PrivateKey.new(), HostConfig(start_timeout=timeout)) as host:
+    with Host(None, HostConfig(start_timeout=timeout)) as host:
         doc = fetch_status(host, addr, timeout)
         if as_json and not watch:
             print(json.dumps(doc))

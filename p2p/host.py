@@ -136,10 +136,10 @@ class HostConfig:
 class Host:
     """A libp2p host running in a background thread; every public method is safe from any other thread."""
 
-    def __init__(self, key: Ed25519PrivateKey, config: HostConfig | None = None) -> None:
-        self.key = key
+    def __init__(self, key: Ed25519PrivateKey | None = None, config: HostConfig | None = None) -> None:
+        self.key = key or Ed25519PrivateKey.new()  # None: a throwaway identity (e.g. `echo-rl status`)
         self.config = config or HostConfig()
-        self.peer_id = peer_id_of(key)
+        self.peer_id = peer_id_of(self.key)
         self.addrs: list[str] = []
         self._subscribers: dict[str, list[Callable[[str, bytes], None]]] = {}
         self._token: trio.lowlevel.TrioToken | None = None
