@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from echo_cli.config import load_config, with_config_flags
 from learner.config import LearnerConfig
 from p2p.config import ConfigError
-from worker.daemon import WorkerRootConfig
+from worker.config import WorkerRootConfig
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Distributed GRPO post-training with a rollout swarm."

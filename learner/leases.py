@@ -91,14 +91,6 @@ class LeaseTable:
             self.counters.completed += 1
             return lease
 
-    def release_worker(self, worker: str) -> int:
-        """Re-queue every live lease of a worker that left or was dropped; returns how many."""
-        with self._lock:
-            leases = [lease for lease in self.live.values() if lease.worker == worker]
-            for lease in leases:
-                self._requeue_locked(lease, "expired")
-            return len(leases)
-
     def expire(self) -> None:
         with self._lock:
             self._expire_locked()
@@ -118,11 +110,11 @@ class LeaseTable:
     def _expire_locked(self) -> None:
         now = time.monotonic()
         for lease in [lease for lease in self.live.values() if lease.deadline < now]:
-            self._requeue_locked(lease, "expired")
+            self._requeue_locked(lease)
 
-    def _requeue_locked(self, lease: Lease, how: str) -> None:
+    def _requeue_locked(self, lease: Lease) -> None:
         del self.live[lease.lease_id]
-        self.closed[lease.lease_id] = how
+        self.closed[lease.lease_id] = "expired"
         self.counters.expired += 1
         self.counters.reissued_groups += len(lease.group_ids)
         self.requeued.extend(lease.group_ids)

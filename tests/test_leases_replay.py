@@ -32,15 +32,6 @@ def test_duplicate_foreign_and_unknown_submissions_are_refused():
     assert table.counters.refused == {"not_owner": 1, "duplicate": 1, "unknown": 1}
 
 
-def test_release_worker_requeues_its_leases():
-    table = LeaseTable(timeout_s=60)
-    table.issue("gone", 2, min_version=0)
-    table.issue("here", 1, min_version=0)
-    assert table.release_worker("gone") == 1
-    assert table.outstanding_groups() == 1
-    assert table.issue("here", 2, min_version=0).group_ids == [0, 1]
-
-
 def group(gid, version):
     return ScoredGroup(gid, version, "w", [])
 

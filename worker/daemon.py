@@ -15,65 +15,21 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from p2p.broadcast import BroadcastPeer, ChunkStore
 from p2p.codec import CodecError, bf16_to_f32
-from p2p.config import require
 from p2p.host import Host, HostConfig, PeerUnavailable, RemoteError, load_identity
 from p2p.manifest import ManifestError
 from p2p.messages import HEARTBEAT, LEASE, ROLLOUT, SPEC, GenerationRequest, ModelSpec, SamplingParams
 from p2p.versions import tensors_of
+from worker.config import WorkerConfig
 from worker.engines import make_engine
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class WorkerConfig:
-    """A rollout worker."""
-
-    learner: str = ""
-    """The learner's full multiaddr (printed by `learner start`, also in RUN_DIR/learner.addr)."""
-    engine: Literal["llamacpp", "transformers"] = "llamacpp"
-    """Inference engine: llamacpp or transformers."""
-    threads: int = 2
-    """CPU threads for generation."""
-    max_batch: int = 32
-    """Sequences decoded together."""
-    max_groups: int = 4
-    """Most prompt groups to ask for in one lease."""
-    price: float = 0.0
-    """What this machine costs, USD per hour (the learner's scheduler prefers cheap workers)."""
-    identity: str = "~/.config/echo-rl/worker.key"
-    """ed25519 identity file (created if missing)."""
-    work_dir: str = "~/.cache/echo-rl/worker"
-    """Where converted weights and spilled chunks go."""
-    listen: str = "/ip4/127.0.0.1/tcp/0"
-    """Multiaddr to listen on for other workers (peer-assisted broadcast)."""
-
-    def validate(self) -> None:
-        require(self.learner.startswith("/") and "/p2p/" in self.learner, "worker.learner",
-                "must be the learner's full multiaddr, e.g. /ip4/1.2.3.4/tcp/4001/p2p/12D3Koo...")  # fmt: skip
-        require(self.threads >= 1, "worker.threads", "must be >= 1")
-        require(self.max_batch >= 1, "worker.max_batch", "must be >= 1")
-        require(self.max_groups >= 1, "worker.max_groups", "must be >= 1")
-        require(self.price >= 0, "worker.price", "must be >= 0")
-        require(self.listen.startswith("/"), "worker.listen", "must be a multiaddr")
-
-
-@dataclass
-class WorkerRootConfig:
-    """`echo-rl worker join` configuration: one [worker] table."""
-
-    worker: WorkerConfig
-
-    def validate(self) -> None:
-        self.worker.validate()
 
 
 class WorkerDaemon:
