@@ -27,6 +27,8 @@ class RunConfig:
     """Write a checkpoint every this many steps (and always after the last step)."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep on disk."""
+    tensorboard: bool = False
+    """Also log every step's scalar metrics to RUN_DIR/tensorboard (needs `pip install tensorboard`)."""
 
     def validate(self) -> None:
         require(self.steps >= 1, "run.steps", f"must be >= 1, got {self.steps}")
@@ -152,8 +154,8 @@ class SwarmConfig:
     """Seconds a worker has to return a lease before its prompts are leased to another worker."""
     groups_per_lease: int = 1
     """Prompt groups handed out in one lease."""
-    prefetch_batches: int = 2
-    """async: at most this many batches of prompt groups are leased or buffered ahead of training."""
+    prefetch_batches: int = 1
+    """async: batches of prompt groups leased or buffered ahead of training (1: the next is made during this step)."""
 
     def validate(self) -> None:
         require(

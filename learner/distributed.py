@@ -3,7 +3,8 @@
     start host -> publish the current weights as a version -> loop:
         wait for a batch of groups within staleness  (workers lease prompts and push rollouts meanwhile)
         one optimizer step                           (version v -> v + 1)
-        publish every kappa steps                    (full snapshot or XOR delta, signed, seeded to peers)
+        publish every kappa steps                    (full snapshot or XOR delta, signed, seeded to peers;
+                                                      encoded in the background while the next step trains)
         record metrics (utilisation = training time / wall time), checkpoint every K steps
 
 The learner keeps its identity (RUN_DIR/learner.key) and its port (RUN_DIR/learner.addr) across
@@ -16,6 +17,7 @@ import logging
 import secrets
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import multiaddr
@@ -60,8 +62,13 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
         )
         version = run.start_step
         service.version = version
-        publisher.publish(version, policy.model)
-        service.mark_published(version)
+
+        def publish(version: int, tensors: dict) -> None:
+            service.mark_published(version, publisher.publish(version, tensors).payload_size)
+
+        publish(version, publisher.snapshot(policy.model))
+        publishing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")  # encodes while we train
+        pending: Future | None = None
 
         t_run = time.perf_counter() - run.wall_offset
         for step in range(run.start_step + 1, cfg.run.steps + 1):
@@ -84,10 +91,12 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
             stats = trainer.step(rollouts)
             seconds["train"], tick = time.perf_counter() - tick, time.perf_counter()
 
-            # 3. publish every kappa steps
+            # 3. publish every kappa steps: snapshot the weights here (the next step changes them), encode,
+            #    sign and seed in the background. One publication at a time: a delta needs the one before
             if version % cfg.swarm.publish_every == 0:
-                manifest = publisher.publish(version, policy.model)
-                service.mark_published(version)
+                if pending is not None:
+                    pending.result()  # also raises if it failed
+                pending = publishing.submit(publish, version, publisher.snapshot(policy.model))
                 seconds["publish"] = time.perf_counter() - tick
             step_s = sum(seconds.values())
 
@@ -110,11 +119,14 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                 },
                 "workers": service.worker_table(),
                 "bcast_s": {str(v): round(s, 2) for v, s in sorted(service.bcast_seconds.items())[-3:]},
-                "version_bytes": manifest.payload_size if version % cfg.swarm.publish_every == 0 else 0,
+                "version_bytes": {str(v): b for v, b in sorted(service.version_bytes.items())[-3:]},
                 "seconds": {k: round(v, 4) for k, v in seconds.items()},
             }
             run.record(step, record)
             service.last_step = record
             yield record
+        if pending is not None:
+            pending.result()  # the last version reaches the seeder before we stop serving
+        publishing.shutdown()
     finally:
         host.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import msgpack
+import numpy as np
 import torch
 
 from learner.models import export_tensors
@@ -35,8 +36,13 @@ class Publisher:
         self.published = 0
         self.previous: tuple[int, bytes] | None = None  # (version, raw bf16 bytes) of the last publication
 
-    def publish(self, version: int, model: torch.nn.Module) -> Manifest:
-        tensors = {name: bf16_bits(array) for name, array in export_tensors(model).items()}
+    @staticmethod
+    def snapshot(model: torch.nn.Module) -> dict[str, np.ndarray]:
+        """The model's weights as bf16 bit patterns: a copy, so training may go on while it is published."""
+        return {name: bf16_bits(array) for name, array in export_tensors(model).items()}
+
+    def publish(self, version: int, tensors: dict[str, np.ndarray]) -> Manifest:
+        """Encode a snapshot as a full or delta version, sign it, hand it to the seeder, announce it."""
         full = self.previous is None or self.published % self.full_every == 0
         pv, raw = build_version(
             self.run_id, version, tensors, dict.fromkeys(tensors, "bf16"),

@@ -79,6 +79,7 @@ class LearnerService:
         self.workers: dict[str, WorkerRecord] = {}
         self.bcast_seconds: dict[int, float] = {}  # version -> seconds until the first worker held it
         self.published_at: dict[int, float] = {}
+        self.version_bytes: dict[int, int] = {}  # version -> bytes on the wire
         self._problems: dict[int, tuple[Problem, list[int]]] = {}
         self._lock = threading.Lock()
         host.handle(SPEC, self._on_spec)
@@ -97,8 +98,9 @@ class LearnerService:
                 self._problems[group_id] = (problem, self.policy.render_prompt(problem.prompt))
             return self._problems[group_id]
 
-    def mark_published(self, version: int) -> None:
+    def mark_published(self, version: int, payload_bytes: int) -> None:
         with self._lock:
+            self.version_bytes[version] = payload_bytes
             self.newest_published = version
             self.published_at[version] = time.monotonic()
 
