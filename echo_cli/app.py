@@ -1,4 +1,4 @@
-"""The `echo-rl` command: `learner start`, `bench sampler`."""
+"""The `echo-rl` command: `learner start`, `worker join`, `status`, `report`, `bench ...`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from echo_cli.config import load_config, with_config_flags
+from echo_cli.live import show_learner, show_worker
 from learner.config import LearnerConfig
 from p2p.config import ConfigError
 from worker.config import WorkerRootConfig
@@ -85,35 +85,9 @@ def learner_start(
             from learner.distributed import train_distributed
 
             steps = train_distributed(cfg, resume=resume)
-        show_progress(steps, cfg.run.steps)
+        show_learner(steps, cfg.run.steps, console)
     except user_errors() as exc:
         raise fail(str(exc)) from None
-
-
-def step_line(m: dict, total: int) -> str:
-    line = f"step {m['step']}/{total} reward {m['reward_mean']:.3f} acc {m['accuracy']:.2f} loss {m['loss']:.4f}"
-    line += f" kl {m['kl']:.4f} train {m['seconds']['train']:.1f}s"
-    if "utilisation" in m:
-        return line + f" wait {m['seconds']['wait']:.1f}s util {m['utilisation']:.0%} buffer {m['buffer']}"
-    return line + f" gen {m['seconds']['generate']:.1f}s ({m['gen_tokens_per_s']:.0f} tok/s)"
-
-
-def show_progress(steps, total: int) -> None:
-    """A live bar on a terminal; one log line per step otherwise (CI, files)."""
-    if not console.is_terminal:
-        for m in steps:
-            log.info("%s", step_line(m, total))
-        return
-    columns = (
-        TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-        TextColumn("reward {task.fields[reward]:.3f}  acc {task.fields[acc]:.2f}  {task.fields[tps]:.0f} tok/s"),
-        TimeElapsedColumn(), TimeRemainingColumn(),
-    )  # fmt: skip
-    with Progress(*columns, console=console) as progress:
-        bar = progress.add_task("train", total=total, reward=0.0, acc=0.0, tps=0.0)
-        for m in steps:
-            tps = m.get("gen_tokens_per_s") or sum(w["tokens_per_s"] for w in m.get("workers", {}).values())
-            progress.update(bar, completed=m["step"], reward=m["reward_mean"], acc=m["accuracy"], tps=tps)
 
 
 @worker_app.command("join")
@@ -133,7 +107,7 @@ def worker_join(
 
     daemon = WorkerDaemon(cfg)
     daemon.install_signal_handlers()
-    daemon.run()
+    show_worker(daemon, console)
 
 
 @app.command("status")
@@ -154,6 +128,24 @@ def status(
         raise fail(str(exc)) from None
     except KeyboardInterrupt:
         pass
+
+
+@app.command("report")
+def report(
+    run_dir: Path = typer.Argument(..., help="A run directory (holds metrics.jsonl)."),
+    out: Path | None = typer.Option(None, "--out", help="Folder for the PNGs (default RUN_DIR/report)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary and file list as one JSON object."),
+) -> None:
+    """Plot a run (reward, utilisation, staleness, version lag, broadcast times) and summarize it."""
+    from echo_cli.report import ReportError
+    from echo_cli.report import report as write_report
+
+    try:
+        write_report(run_dir, out, json_out)
+    except ReportError as exc:
+        raise fail(str(exc)) from None
+    except ImportError as exc:
+        raise fail(f"{exc.name} is not installed: pip install 'echo-rl[learner]'") from None
 
 
 @bench_app.command("sampler")

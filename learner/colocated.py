@@ -70,6 +70,7 @@ def train_colocated(cfg: LearnerConfig, engine: Sampler, resume: bool = False) -
             "wall_s": round(time.perf_counter() - t_run, 3),
             **batch_metrics(rollouts, scored, stats),
             "gen_tokens_per_s": sum(len(r.completion_ids) for r in rollouts) / max(seconds["generate"], 1e-9),
+            "utilisation": seconds["train"] / sum(seconds.values()),  # the learner trains, then waits for itself
             "seconds": {k: round(v, 4) for k, v in seconds.items()},
         }
         run.record(step, record)

@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ class Run:
     trainer: GRPOTrainer
     start_step: int
     wall_offset: float  # seconds of wall time before this process (resumed runs)
+    tensorboard: Any = None  # a SummaryWriter when run.tensorboard is on
 
     @property
     def metrics_path(self) -> Path:
@@ -47,6 +49,10 @@ class Run:
         """Append a step's metrics, then checkpoint if it is time."""
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            for name, value in scalar_metrics(record).items():
+                self.tensorboard.add_scalar(name, value, step)
+            self.tensorboard.flush()
         if step % self.cfg.run.checkpoint_every == 0 or step == self.cfg.run.steps:
             tick = time.perf_counter()
             state = {"wall_s": record["wall_s"], "config": dataclasses.asdict(self.cfg)}
@@ -81,7 +87,29 @@ def open_run(cfg: LearnerConfig, resume: bool) -> Run:
         truncate_metrics(metrics_path, start_step)
         log.info("resumed from %s at step %d", checkpoints[-1], start_step)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-    return Run(cfg, run_dir, policy, task, trainer, start_step, wall_offset)
+    return Run(cfg, run_dir, policy, task, trainer, start_step, wall_offset, open_tensorboard(cfg, run_dir))
+
+
+def open_tensorboard(cfg: LearnerConfig, run_dir: Path) -> Any:
+    if not cfg.run.tensorboard:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError("run.tensorboard needs the tensorboard package: pip install tensorboard") from None
+    return SummaryWriter(str(run_dir / "tensorboard"))
+
+
+def scalar_metrics(record: dict, prefix: str = "") -> dict[str, float]:
+    """A step record flattened to TensorBoard scalars: {"seconds": {"train": 1.2}} -> {"seconds/train": 1.2}."""
+    scalars: dict[str, float] = {}
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            scalars |= scalar_metrics(value, name + "/")
+        elif isinstance(value, int | float) and not isinstance(value, bool) and key != "step":
+            scalars[name] = float(value)
+    return scalars
 
 
 def step_seed(seed: int, index: int) -> int:
@@ -101,6 +129,9 @@ def batch_metrics(rollouts: list[Rollout], groups: list[list[Rollout]], stats: d
     """The metrics every loop reports about the batch it trained on."""
     rewards = [r.reward for r in rollouts]
     tokens = sum(len(r.completion_ids) for r in rollouts)
+    by_version: dict[int, list[float]] = {}
+    for r in rollouts:
+        by_version.setdefault(r.version, []).append(r.reward)
     return {
         "reward_mean": float(np.mean(rewards)),
         "accuracy": float(np.mean([r >= 1.0 for r in rewards])),
@@ -113,4 +144,6 @@ def batch_metrics(rollouts: list[Rollout], groups: list[list[Rollout]], stats: d
         "trained_tokens": stats["trained_tokens"],
         "completion_len_mean": tokens / len(rollouts),
         "equal_reward_groups": sum(len({r.reward for r in g}) == 1 for g in groups),
+        # how good each policy version that generated this batch is: (mean reward, rollouts)
+        "reward_by_version": {str(v): [float(np.mean(rs)), len(rs)] for v, rs in sorted(by_version.items())},
     }

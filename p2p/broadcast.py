@@ -126,6 +126,7 @@ class ChunkServer:
         self.host = host
         self.store = store
         self.peer_have: dict[str, dict[int, set[int]]] = defaultdict(dict)  # peer -> version -> chunks
+        self.chunks_served = 0
         host.handle(MANIFEST, self._on_manifest)
         # upload_slots: answer only this many chunk requests at once (None: all, sharing the uplink)
         host.handle(CHUNK, self._on_chunk, concurrency=upload_slots)
@@ -149,6 +150,7 @@ class ChunkServer:
         data = self.store.get(version, index)
         if data is None:
             raise BadRequest(f"chunk {index} of version {version} is not held here")
+        self.chunks_served += 1
         return {"data": data}
 
     def _on_have(self, peer: str, msg: dict) -> dict:

@@ -252,7 +252,8 @@ class Host:
         return info.peer_id.to_base58()
 
     def connected_peers(self) -> list[str]:
-        return [p.to_base58() for p in self._host.get_network().connections]
+        """Peer ids with an open connection (read in the trio thread: the table changes there)."""
+        return self._run_sync(lambda: [p.to_base58() for p in self._host.get_network().connections])
 
     def request(self, peer: str, protocol: str, message: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
         """Send one frame to `peer` (a peer id we are connected to, or a full multiaddr) and return its reply.

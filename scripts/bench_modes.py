@@ -15,31 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from echo_cli.report import load_metrics, summarize
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
-
-
-def summarize(run_dir: Path) -> dict:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train = sum(r["seconds"]["train"] for r in rows)
-    wall = rows[-1]["wall_s"]
-    first = sum(r["reward_mean"] for r in rows[:10]) / min(10, len(rows))
-    last = sum(r["reward_mean"] for r in rows[-10:]) / min(10, len(rows))
-    stale = {}
-    for r in rows:
-        for k, v in r.get("staleness", {}).items():
-            stale[k] = stale.get(k, 0) + v
-    return {
-        "steps": len(rows),
-        "wall_min": round(wall / 60, 2),
-        "utilisation": round(train / wall, 3),
-        "reward_per_step": round(sum(r["reward_mean"] for r in rows) / len(rows), 3),
-        "reward_first10": round(first, 3),
-        "reward_last10": round(last, 3),
-        "reward_gain_per_min": round((last - first) / (wall / 60), 4),
-        "staleness_hist": stale,
-        "stale_dropped": rows[-1].get("stale_dropped", 0),
-    }
 
 
 def main() -> None:
@@ -64,7 +43,7 @@ def main() -> None:
             cmd += ["--sync-mode", mode]
         print(f"== {mode}: {' '.join(cmd[1:])}", flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True)
-        results[mode] = summarize(ROOT / run_dir)
+        results[mode] = summarize(load_metrics(ROOT / run_dir))
         print(json.dumps({mode: results[mode]}), flush=True)
     print(json.dumps(results, indent=1))
 

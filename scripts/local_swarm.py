@@ -19,7 +19,13 @@ ECHO = [sys.executable, "-m", "echo_cli"]
 
 
 def show_status(learner: subprocess.Popen, run_dir: Path, every: float) -> None:
-    """Print the swarm's status table every `every` seconds while the learner runs."""
+    """Print the swarm's status table every `every` seconds while the learner runs.
+
+    Not on a terminal: there the learner's live view shows the swarm, and our prints would tear it.
+    """
+    if sys.stderr.isatty():
+        print(f"local_swarm: `echo-rl status --run-dir {run_dir}` in another terminal shows the swarm's status")
+        return
     while learner.poll() is None:
         time.sleep(every)
         if learner.poll() is None:

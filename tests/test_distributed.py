@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_cli
+from tests.test_report import check_pngs
+
+PLOTS = ["reward.png", "utilisation.png", "staleness.png", "version_lag.png", "broadcast.png"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -96,6 +100,10 @@ def test_learner_and_two_workers_train(swarm, mode, staleness):
     assert len(metrics[-1]["workers"]) == 2
     assert sum(w["groups"] for w in metrics[-1]["workers"].values()) >= 16
     assert (swarm.run_dir / "checkpoints" / "step-000008").exists()
+    res = run_cli("report", str(swarm.run_dir), "--json")  # every plot of a swarm run, from real metrics
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["skipped"] == []
+    check_pngs(swarm.run_dir / "report", PLOTS)
 
 
 def test_killed_worker_lease_is_reissued_and_late_joiner_catches_up(swarm):

@@ -46,6 +46,8 @@ class WorkerDaemon:
         self.run_id: str | None = None
         self.tokens_per_s = 0.0
         self.leases_done = 0
+        self.newest = -1  # newest version the learner announced
+        self.state = "starting"  # what the worker is doing now, for the live view
 
     def install_signal_handlers(self) -> None:
         def leave(signum: int, frame: object) -> None:
@@ -69,6 +71,7 @@ class WorkerDaemon:
                     self._step()
                     backoff = 1.0
                 except PeerUnavailable as exc:
+                    self.state = "learner unreachable"
                     log.warning("learner unreachable (%s); retrying in %.0fs", exc, backoff)
                     self.stop.wait(backoff)
                     backoff = min(backoff * 2, 10.0)
@@ -89,19 +92,22 @@ class WorkerDaemon:
 
     def _step(self) -> None:
         if self.spec is None:
+            self.state = "joining"
             self.peer.join()
             reply = self._request(SPEC, {})
             self.spec = ModelSpec.from_dict(reply["spec"])
             if reply["run_id"] != self.run_id:  # a new run, or the learner restarted: versions start over
                 self.run_id, self.held = reply["run_id"], None
-        newest = self._request(HEARTBEAT, self._heartbeat())["newest"]
-        if self.held is None or newest != self.held[0]:
+        self.newest = self._request(HEARTBEAT, self._heartbeat())["newest"]
+        if self.held is None or self.newest != self.held[0]:
             self._update()
         reply = self._request(LEASE, {"version": self.held[0], "max_groups": self.cfg.max_groups})
         if "wait" in reply:
-            if reply.get("newest", -1) != self.held[0]:
+            self.newest = reply.get("newest", self.newest)
+            if self.newest != self.held[0]:
                 self._update()
             else:
+                self.state = "idle: the learner needs no more rollouts now"
                 self.stop.wait(float(min(max(reply["wait"], 0.05), 5.0)))
             return
         self._work(reply["lease"])
@@ -116,6 +122,7 @@ class WorkerDaemon:
     def _update(self) -> None:
         """Sync to the newest version through the swarm and swap it into the engine."""
         tick = time.perf_counter()
+        self.state = f"fetching v{self.newest}"
         result = self.peer.sync(self.held, stop=self.stop)
         if result is None:
             return
@@ -135,6 +142,7 @@ class WorkerDaemon:
         params = SamplingParams(float(p["temperature"]), float(p["top_p"]), int(p["max_new_tokens"]), int(p["seed"]))
         requests = [GenerationRequest(list(g["prompt_ids"]), int(lease["group_size"])) for g in lease["groups"]]
         log.debug("lease %d: %d groups on v%d", lease["id"], len(requests), version)
+        self.state = f"generating lease {lease['id']} ({len(requests)} groups) on v{version}"
         tick = time.perf_counter()
         groups = self.engine.generate(requests, params)
         elapsed = time.perf_counter() - tick
