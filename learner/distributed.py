@@ -96,6 +96,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
             if version % cfg.swarm.publish_every == 0:
                 if pending is not None:
                     pending.result()  # also raises if it failed
+                service.publishing = version
                 pending = publishing.submit(publish, version, publisher.snapshot(policy.model))
                 seconds["publish"] = time.perf_counter() - tick
             step_s = sum(seconds.values())

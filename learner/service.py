@@ -50,8 +50,8 @@ class LearnerService:
 
     Lease policy. pull: a worker gets a lease only if it holds the newest version, and only until the
     groups leased or buffered at that version make one batch. async: a worker gets a lease if its version
-    is within the staleness bound (v - x <= S), while leased plus buffered groups stay below
-    prefetch_batches batches.
+    is within the staleness bound (v - x <= S) and is the newest published (or being published), while
+    leased plus buffered groups stay below prefetch_batches batches.
     """
 
     def __init__(
@@ -76,6 +76,7 @@ class LearnerService:
         self.leases = LeaseTable(swarm.lease_timeout, first_group)
         self.version = 0  # policy version the learner holds (optimizer steps done)
         self.newest_published = -1
+        self.publishing = -1  # version being encoded in the background, -1 if none
         self.workers: dict[str, WorkerRecord] = {}
         self.bcast_seconds: dict[int, float] = {}  # version -> seconds until the first worker held it
         self.published_at: dict[int, float] = {}
@@ -102,6 +103,8 @@ class LearnerService:
         with self._lock:
             self.version_bytes[version] = payload_bytes
             self.newest_published = version
+            if self.publishing == version:
+                self.publishing = -1
             self.published_at[version] = time.monotonic()
 
     def _worker(self, peer: str) -> WorkerRecord:
@@ -149,6 +152,8 @@ class LearnerService:
         else:
             if self.version - held > swarm.staleness:
                 return wait  # too stale to be useful: update first
+            if held < max(self.newest_published, self.publishing):
+                return wait  # a newer version is out, or will be in a second: generate with that one
             room = swarm.prefetch_batches * grpo.prompts_per_step - len(self.buffer) - self.leases.outstanding_groups()
         n = min(max_groups, swarm.groups_per_lease, room)
         if n <= 0:
