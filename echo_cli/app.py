@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 
 from echo_cli.config import load_config, with_config_flags
 from echo_cli.live import show_learner, show_worker
@@ -47,7 +48,8 @@ def setup_logging(verbose: bool = False) -> None:
 
 
 def fail(message: str) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)  # one line, never wrapped
+    # one line, never wrapped; escaped, since messages quote user input such as [[workers]]
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(2)
 
 
@@ -146,6 +148,28 @@ def report(
         raise fail(str(exc)) from None
     except ImportError as exc:
         raise fail(f"{exc.name} is not installed: pip install 'echo-rl[learner]'") from None
+
+
+@app.command("plan")
+def plan_command(
+    rollouts_per_step: float = typer.Option(..., "--rollouts-per-step", help="R: rollouts trained on per step."),
+    train_step_s: float = typer.Option(..., "--train-step-s", help="T_train: seconds of one optimizer step."),
+    publish_every: int = typer.Option(1, "--publish-every", help="kappa: steps between published versions."),
+    staleness: int = typer.Option(2, "--staleness", help="S: the staleness bound."),
+    bcast_s: float = typer.Option(..., "--bcast-s", help="T_bcast: seconds until a worker holds a new version."),
+    workers: Path = typer.Option(..., "--workers", help="TOML file of [[workers]] tables."),
+    margin: float = typer.Option(0.1, "--margin", help="Provision this fraction above the demand."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
+) -> None:
+    """Which workers to activate for a learner, the predicted utilisation and the cost (docs/capacity-model.md)."""
+    from echo_cli.plan import show_plan
+    from learner.capacity import LearnerFigures
+
+    figures = LearnerFigures(rollouts_per_step, train_step_s, publish_every, staleness, bcast_s, margin)
+    try:
+        show_plan(workers, figures, json_out)
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
 
 
 @bench_app.command("sampler")
