@@ -39,9 +39,7 @@ def load_workers(path: Path) -> list[WorkerProfile]:
         if table["name"] in names:
             raise ConfigError(f"{path}: two workers are named {table['name']!r}; names must be unique")
         names.add(table["name"])
-        workers.append(
-            WorkerProfile(table["name"], table["rollouts_per_s"], table["lease_s"], table["price_per_hour"])
-        )
+        workers.append(WorkerProfile(table["name"], table["rollouts_per_s"], table["lease_s"], table["price_per_hour"]))
     return workers
 
 

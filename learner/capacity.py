@@ -6,6 +6,7 @@ B = T_bcast seconds from the end of a step until a worker holds the version it p
 worker mu_i rollouts/s, L_i seconds per lease, c_i dollars per hour.
 
     useful window  u_i = max(0, min(kappa * T, S * T - L_i) - B)  seconds of each version's kappa * T
+                   (T here is the step period: T_train, or longer if the learner also waits for rollouts)
     eligible       u_i > 0, i.e. L_i < S * T - B        (otherwise no lease can come back within S)
     fresh supply   f_i = mu_i * u_i / (kappa * T)        rollouts/s that arrive within the bound
     demand         D = (1 + margin) * R / T
@@ -41,6 +42,12 @@ class LearnerFigures:
     staleness: int  # S
     bcast_s: float  # B
     margin: float = 0.1  # provision this much above the demand, for noise in the estimates
+    step_s: float | None = None  # seconds between batches if the learner waits too (default: T, it never waits)
+
+    @property
+    def period(self) -> float:
+        """Seconds per version step: staleness is counted in versions, and versions move at this pace."""
+        return max(self.train_step_s, self.step_s or 0.0)
 
 
 @dataclass
@@ -62,23 +69,24 @@ class Plan:
 
 def useful_window(w: WorkerProfile, f: LearnerFigures) -> float:
     """u_i: seconds of each version's window in which a lease started with it returns within S."""
-    return max(0.0, min(f.publish_every * f.train_step_s, f.staleness * f.train_step_s - w.lease_s) - f.bcast_s)
+    t = f.period
+    return max(0.0, min(f.publish_every * t, f.staleness * t - w.lease_s) - f.bcast_s)
 
 
 def fresh_rate(w: WorkerProfile, f: LearnerFigures) -> float:
     """f_i: the worker's rollouts per second that arrive within the staleness bound."""
-    return w.rollouts_per_s * useful_window(w, f) / (f.publish_every * f.train_step_s)
+    return w.rollouts_per_s * useful_window(w, f) / (f.publish_every * f.period)
 
 
 def ineligibility(w: WorkerProfile, f: LearnerFigures) -> str | None:
     """Why a worker can never deliver within the bound, or None if it can."""
     if w.rollouts_per_s <= 0:
         return "produces no rollouts"
-    limit = f.staleness * f.train_step_s - f.bcast_s
-    if f.bcast_s >= f.publish_every * f.train_step_s:
-        return f"T_bcast {f.bcast_s:g}s >= kappa*T_train = {f.publish_every * f.train_step_s:g}s"
+    limit = f.staleness * f.period - f.bcast_s
+    if f.bcast_s >= f.publish_every * f.period:
+        return f"T_bcast {f.bcast_s:.3g}s >= kappa*T_train = {f.publish_every * f.period:.3g}s"
     if w.lease_s >= limit:
-        return f"lease {w.lease_s:g}s >= S*T_train - T_bcast = {limit:g}s (too stale)"
+        return f"lease {w.lease_s:.3g}s >= S*T_train - T_bcast = {limit:.3g}s (too stale)"
     return None
 
 

@@ -154,6 +154,12 @@ class SwarmConfig:
     """Seconds a worker has to return a lease before its prompts are leased to another worker."""
     groups_per_lease: int = 1
     """Prompt groups handed out in one lease."""
+    autoscale: bool = True
+    """async: activate only the workers the capacity model needs, cheapest first (docs/capacity-model.md)."""
+    margin: float = 0.1
+    """Autoscale: keep the active workers' fresh supply this fraction above the learner's demand."""
+    worker_silence: float = 30.0
+    """Seconds without a heartbeat after which a worker is dropped and its leases go to others."""
     prefetch_batches: int = 1
     """async: batches of prompt groups leased or buffered ahead of training (1: the next is made during this step)."""
 
@@ -169,6 +175,8 @@ class SwarmConfig:
         require(self.lease_timeout > 0, "swarm.lease_timeout", "must be > 0")
         require(self.groups_per_lease >= 1, "swarm.groups_per_lease", "must be >= 1")
         require(self.prefetch_batches >= 1, "swarm.prefetch_batches", "must be >= 1")
+        require(self.margin >= 0, "swarm.margin", f"must be >= 0, got {self.margin}")
+        require(self.worker_silence > 0, "swarm.worker_silence", "must be > 0")
         if self.sync_mode == "pull":
             require(
                 self.publish_every == 1, "swarm.publish_every", "must be 1 in pull mode (workers need every version)"

@@ -101,6 +101,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                 seconds["publish"] = time.perf_counter() - tick
             step_s = sum(seconds.values())
 
+            decisions = service.schedule(step, seconds["train"], step_s, trained=stats["trained_tokens"] > 0)
             counters = service.leases.counters
             record = {
                 "step": step,
@@ -119,6 +120,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                     "refused": dict(counters.refused),
                 },
                 "workers": service.worker_table(),
+                "decisions": [{"worker": d.worker[-8:], "active": d.active, "reason": d.reason} for d in decisions],
                 "bcast_s": {str(v): round(s, 2) for v, s in sorted(service.bcast_seconds.items())[-3:]},
                 "version_bytes": {str(v): b for v, b in sorted(service.version_bytes.items())[-3:]},
                 "seconds": {k: round(v, 4) for k, v in seconds.items()},

@@ -103,6 +103,14 @@ class LeaseTable:
                 out[lease.worker] = out.get(lease.worker, 0) + 1
             return out
 
+    def requeue_worker(self, worker: str) -> int:
+        """Give the live leases of a worker that vanished to others; returns how many there were."""
+        with self._lock:
+            gone = [lease for lease in self.live.values() if lease.worker == worker]
+            for lease in gone:
+                self._requeue_locked(lease)
+            return len(gone)
+
     def outstanding_groups(self) -> int:
         with self._lock:
             return sum(len(lease.group_ids) for lease in self.live.values())

@@ -33,6 +33,7 @@ class ReplayBuffer:
         self._cond = threading.Condition()
         self.added = 0
         self.dropped_stale = 0
+        self.dropped_by_worker: Counter[str] = Counter()
         self.consumed = 0
 
     def add(self, group: ScoredGroup) -> None:
@@ -49,6 +50,7 @@ class ReplayBuffer:
         """Drop (and count) groups beyond the staleness bound; True if n usable groups remain."""
         fresh = [g for g in self._groups if version - g.version <= self.staleness]
         self.dropped_stale += len(self._groups) - len(fresh)
+        self.dropped_by_worker.update(g.worker for g in self._groups if version - g.version > self.staleness)
         self._groups = fresh
         return len(fresh) >= n
 

@@ -23,6 +23,7 @@ from learner.models import Policy
 from learner.replay import ReplayBuffer, ScoredGroup
 from learner.rollouts import score_groups
 from learner.run import step_seed
+from learner.scheduler import Decision, Scheduler, SchedulerConfig
 from learner.tasks import Problem, Task
 from p2p.broadcast import Seeder
 from p2p.host import BadRequest
@@ -50,8 +51,9 @@ class LearnerService:
 
     Lease policy. pull: a worker gets a lease only if it holds the newest version, and only until the
     groups leased or buffered at that version make one batch. async: a worker gets a lease if its version
-    is within the staleness bound (v - x <= S) and is the newest published (or being published), while
-    leased plus buffered groups stay below prefetch_batches batches.
+    is within the staleness bound (v - x <= S) and no newer version is being encoded right now, while
+    leased plus buffered groups stay below prefetch_batches batches, and (autoscale) the scheduler has
+    it active.
     """
 
     def __init__(
@@ -74,12 +76,27 @@ class LearnerService:
         swarm = cfg.swarm
         self.buffer = ReplayBuffer(0 if swarm.sync_mode == "pull" else swarm.staleness)
         self.leases = LeaseTable(swarm.lease_timeout, first_group)
+        # pull mode uses every worker: each lease there waits for the newest version, which the model does not cover
+        self.autoscale = swarm.autoscale and swarm.sync_mode == "async"
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                rollouts_per_step=cfg.grpo.prompts_per_step * cfg.grpo.group_size,
+                publish_every=swarm.publish_every,
+                staleness=swarm.staleness,
+                margin=swarm.margin,
+                silence_s=swarm.worker_silence,
+                max_groups_per_lease=swarm.groups_per_lease,
+                lease_timeout_s=swarm.lease_timeout,
+            )
+        )
+        self._sched_lock = threading.Lock()  # handlers run on several threads; the scheduler is not thread-safe
         self.version = 0  # policy version the learner holds (optimizer steps done)
         self.newest_published = -1
         self.publishing = -1  # version being encoded in the background, -1 if none
         self.workers: dict[str, WorkerRecord] = {}
         self.bcast_seconds: dict[int, float] = {}  # version -> seconds until the first worker held it
         self.published_at: dict[int, float] = {}
+        self._bcast_seen = -1  # newest version whose broadcast time the scheduler has seen
         self.version_bytes: dict[int, int] = {}  # version -> bytes on the wire
         self._problems: dict[int, tuple[Problem, list[int]]] = {}
         self._lock = threading.Lock()
@@ -113,7 +130,34 @@ class LearnerService:
             if record is None:
                 record = self.workers[peer] = WorkerRecord(peer)
             record.last_seen = time.monotonic()
-            return record
+        with self._sched_lock:
+            self.scheduler.seen(peer, record.last_seen)
+        return record
+
+    def schedule(self, step: int, train_s: float, step_s: float, trained: bool) -> list[Decision]:
+        """After each step: update the estimates, drop silent workers, re-plan who generates."""
+        now = time.monotonic()
+        with self._lock:
+            new_bcast = [s for v, s in self.bcast_seconds.items() if v > self._bcast_seen]
+            self._bcast_seen = max(self.bcast_seconds, default=self._bcast_seen)
+        with self._sched_lock:
+            self.scheduler.step_done(step, train_s, step_s, trained)
+            for seconds in new_bcast:
+                self.scheduler.broadcast_done(seconds)
+            for peer in self.scheduler.drop_silent(now):
+                requeued = self.leases.requeue_worker(peer)
+                log.info("worker %s went silent: %d of its leases go to others", peer[-8:], requeued)
+                with self._lock:
+                    self.workers.pop(peer, None)
+            return self.scheduler.replan() if self.autoscale else []
+
+    def activity(self, peer: str) -> tuple[bool, str]:
+        """Whether the scheduler lets this worker generate, and why."""
+        if not self.autoscale:
+            return True, "autoscale off" if self.cfg.swarm.sync_mode == "async" else "pull mode uses every worker"
+        with self._sched_lock:
+            state = self.scheduler.workers.get(peer)
+            return (state.active, state.reason) if state else (False, "unknown")
 
     # -- handlers ------------------------------------------------------------------------------------
 
@@ -133,6 +177,8 @@ class LearnerService:
             worker.tokens_per_s = float(tps)
         if isinstance(price, int | float) and math.isfinite(price) and price >= 0:
             worker.price = float(price)
+            with self._sched_lock:
+                self.scheduler.seen(peer, worker.last_seen, worker.price)
         return {"newest": self.newest_published}
 
     def _on_lease(self, peer: str, msg: dict) -> dict:
@@ -152,13 +198,19 @@ class LearnerService:
         else:
             if self.version - held > swarm.staleness:
                 return wait  # too stale to be useful: update first
-            if held < max(self.newest_published, self.publishing):
-                return wait  # a newer version is out, or will be in a second: generate with that one
+            if held < self.publishing:
+                return wait  # the next version is being encoded (about a second): generate with that one
+            if self.autoscale:
+                with self._sched_lock:
+                    if not self.scheduler.may_lease(peer):  # it keeps polling, so it fetches and relays versions
+                        return {"wait": 0.5, "newest": self.newest_published, "inactive": True}
             room = swarm.prefetch_batches * grpo.prompts_per_step - len(self.buffer) - self.leases.outstanding_groups()
-        n = min(max_groups, swarm.groups_per_lease, room)
+        with self._sched_lock:
+            n = min(max_groups, self.scheduler.lease_groups(peer), room)
+            deadline = self.scheduler.lease_deadline(peer)
         if n <= 0:
             return wait
-        lease = self.leases.issue(peer, n, min_version=held)
+        lease = self.leases.issue(peer, n, min_version=held, timeout_s=deadline)
         sampler = self.cfg.sampler
         return {
             "lease": {
@@ -172,7 +224,7 @@ class LearnerService:
                     "seed": lease.lease_id,
                 },
                 "min_version": held,
-                "deadline_s": swarm.lease_timeout,
+                "deadline_s": deadline,
             }
         }
 
@@ -201,6 +253,11 @@ class LearnerService:
         )
         for group_id, rollouts in zip(lease.group_ids, scored, strict=True):
             self.buffer.add(ScoredGroup(group_id, version, peer, rollouts))
+        now = time.monotonic()
+        with self._sched_lock:
+            self.scheduler.lease_done(peer, now, now - lease.issued_at, sum(len(g) for g in scored))
+            for _ in scored:
+                self.scheduler.group_arrived(peer, fresh=self.version - version <= self.buffer.staleness)
         worker.groups_accepted += len(scored)
         worker.tokens_accepted += sum(len(r.completion_ids) for g in scored for r in g)
         return {"accepted": len(scored)}
@@ -250,10 +307,15 @@ class LearnerService:
             workers = list(self.workers.values())
         for w in workers:
             have = len(self.seeder.peer_have.get(w.peer_id, {}).get(newest, ()))
+            active, reason = self.activity(w.peer_id)
+            addrs = self.seeder.peers.get(w.peer_id, [])
             peers.append(
                 {
                     "peer_id": w.peer_id,
+                    "addr": addrs[0] if addrs else None,
                     "role": "worker",
+                    "active": active,
+                    "activity": reason,
                     "price": w.price,
                     "version": w.version,
                     "version_lag": self.version - w.version if w.version >= 0 else None,
@@ -262,6 +324,7 @@ class LearnerService:
                     "open_leases": open_leases.get(w.peer_id, 0),
                     "groups_accepted": w.groups_accepted,
                     "refused": w.refused,
+                    "stale_dropped": self.buffer.dropped_by_worker.get(w.peer_id, 0),
                     "last_seen_s": round(now - w.last_seen, 1),
                 }
             )
@@ -288,15 +351,17 @@ class LearnerService:
     def worker_table(self) -> dict[str, dict[str, Any]]:
         now = time.monotonic()
         with self._lock:
-            return {
-                peer[-8:]: {
-                    "version": w.version,
-                    "version_lag": self.version - w.version if w.version >= 0 else None,
-                    "tokens_per_s": round(w.tokens_per_s, 1),
-                    "groups": w.groups_accepted,
-                    "refused": w.refused,
-                    "price": w.price,
-                    "seen_s_ago": round(now - w.last_seen, 1),
-                }
-                for peer, w in self.workers.items()
+            workers = dict(self.workers)
+        return {
+            peer[-8:]: {
+                "active": self.activity(peer)[0],
+                "version": w.version,
+                "version_lag": self.version - w.version if w.version >= 0 else None,
+                "tokens_per_s": round(w.tokens_per_s, 1),
+                "groups": w.groups_accepted,
+                "refused": w.refused,
+                "price": w.price,
+                "seen_s_ago": round(now - w.last_seen, 1),
             }
+            for peer, w in workers.items()
+        }

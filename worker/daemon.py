@@ -106,6 +106,9 @@ class WorkerDaemon:
             self.newest = reply.get("newest", self.newest)
             if self.newest != self.held[0]:
                 self._update()
+            elif reply.get("inactive"):
+                self.state = "inactive: the learner has cheaper workers enough; relaying chunks only"
+                self.stop.wait(float(min(max(reply["wait"], 0.05), 5.0)))
             else:
                 self.state = "idle: the learner needs no more rollouts now"
                 self.stop.wait(float(min(max(reply["wait"], 0.05), 5.0)))

@@ -1,0 +1,123 @@
+"""The online scheduler (learner/scheduler.py) driven by a synthetic clock, as the simulator drives it."""
+
+import random
+
+import pytest
+
+from learner.scheduler import MovingAverage, MovingMedian, Scheduler, SchedulerConfig
+
+
+def make(**kw) -> Scheduler:
+    return Scheduler(SchedulerConfig(rollouts_per_step=32, publish_every=1, staleness=2, **kw))
+
+
+def feed(s: Scheduler, worker: str, now: float, lease_s: float, rollouts: int = 8, n: int = 3, noise=None) -> None:
+    for _ in range(n):
+        seconds = lease_s * (1 + noise.uniform(-0.1, 0.1)) if noise else lease_s
+        s.lease_done(worker, now, seconds, rollouts)
+
+
+def steps(s: Scheduler, first: int, n: int, train_s: float = 10.0, noise=None) -> list:
+    decisions = []
+    for step in range(first, first + n):
+        t = train_s * (1 + noise.uniform(-0.1, 0.1)) if noise else train_s
+        s.step_done(step, t, t, trained=True)
+        s.broadcast_done(2.0)
+        decisions += s.replan()
+    return decisions
+
+
+def test_moving_estimates():
+    ema = MovingAverage(alpha=0.5, warmup=2)
+    for x in (2.0, 4.0):
+        ema.add(x)
+    assert ema.value == 3.0 and ema.warm  # the plain mean during warm-up
+    ema.add(7.0)
+    assert ema.value == 5.0  # then exponential
+    median = MovingMedian(window=5, warmup=3)
+    for x in (1.0, 1.0, 100.0):
+        median.add(x)
+    assert median.value == 1.0 and median.warm  # one outlier does not move it
+
+
+def test_new_workers_are_on_probation_until_measured():
+    s = make()
+    s.seen("a", 0.0, price=1.0)
+    assert s.may_lease("a") and not s.may_lease("unknown")
+    assert s.replan() == []  # nothing measured yet: no decision
+    assert s.lease_deadline("a") == 120.0  # the configured timeout until its lease time is known
+
+
+def test_expensive_worker_not_needed_is_deactivated_once_without_flapping():
+    rng = random.Random(0)
+    s = make()
+    for name, price in (("cheap", 0.05), ("pricey", 2.0)):
+        s.seen(name, 0.0, price)
+        feed(s, name, 0.0, lease_s=1.0, noise=rng)  # 8 rollouts/s each
+    # T = 10 s, B = 2 s: f = 8 * (10 - 2) / 10 = 6.4/s each; demand 1.1 * 32 / 10 = 3.52; keep 1.2 * 3.2 = 3.84
+    decisions = steps(s, 1, 60, noise=rng)
+    assert [(d.worker, d.active) for d in decisions] == [("pricey", False)]
+    assert "not needed" in decisions[0].reason and decisions[0].step == 5  # after the 5-step dwell
+    assert s.may_lease("cheap") and not s.may_lease("pricey")
+
+
+def test_deactivated_worker_comes_back_when_supply_falls_short():
+    s = make()
+    for name, price in (("cheap", 0.05), ("pricey", 2.0)):
+        s.seen(name, 0.0, price)
+        feed(s, name, 0.0, lease_s=1.0)
+    steps(s, 1, 10)
+    assert not s.may_lease("pricey")
+    feed(s, "cheap", 0.0, lease_s=8.0, n=20)  # the cheap worker slows down: 1 rollout/s
+    decisions = steps(s, 11, 3)
+    # pricey alone now covers the demand, so the slowed cheap worker (0.8 fresh rollouts/s) is not needed
+    assert [(d.worker, d.active) for d in decisions] == [("pricey", True), ("cheap", False)]
+    assert "needed" in decisions[0].reason and "not needed" in decisions[1].reason
+
+
+def test_free_workers_always_run_and_too_slow_ones_only_go_when_others_cover():
+    s = make()
+    s.seen("free", 0.0, 0.0)
+    s.seen("slow", 0.0, 0.5)
+    feed(s, "free", 0.0, lease_s=1.0)
+    feed(s, "slow", 0.0, lease_s=30.0)  # S*T - B = 18 s < 30 s: the model finds it too slow
+    decisions = steps(s, 1, 6)
+    assert [(d.worker, d.active) for d in decisions] == [("slow", False)]
+    assert "too stale" in decisions[0].reason
+    # alone, a worker the model finds too slow keeps running: the learner waits for it, versions slow down
+    s = make()
+    s.seen("slow", 0.0, 0.5)
+    feed(s, "slow", 0.0, lease_s=30.0)
+    assert steps(s, 1, 10) == [] and s.may_lease("slow")
+
+
+def test_worker_whose_rollouts_arrive_stale_is_deactivated():
+    s = make()
+    for name in ("a", "b"):
+        s.seen(name, 0.0, 0.1)
+        feed(s, name, 0.0, lease_s=1.0)
+    for _ in range(8):
+        s.group_arrived("b", fresh=False)
+        s.group_arrived("a", fresh=True)
+    decisions = steps(s, 1, 3)  # the first re-plan: T_train is measured after 3 steps
+    assert [(d.worker, d.active) for d in decisions] == [("b", False)]
+    assert "arrived too stale" in decisions[0].reason
+
+
+def test_silent_workers_are_dropped():
+    s = make(silence_s=30.0)
+    s.seen("a", 0.0)
+    s.seen("b", 0.0)
+    s.seen("a", 25.0)
+    assert s.drop_silent(31.0) == ["b"]
+    assert not s.may_lease("b") and s.may_lease("a")
+
+
+def test_deadlines_and_lease_sizes_follow_each_worker():
+    s = make(max_groups_per_lease=4)
+    for name, lease_s in (("fast", 2.0), ("mid", 2.5), ("straggler", 8.0)):
+        s.seen(name, 0.0)
+        feed(s, name, 0.0, lease_s=lease_s, rollouts=32)
+    assert s.lease_deadline("fast") == 10.0  # 3 x 2 s, raised to the 10 s minimum
+    assert s.lease_deadline("straggler") == pytest.approx(24.0)
+    assert s.lease_groups("fast") == 4 and s.lease_groups("straggler") == 1
