@@ -172,6 +172,36 @@ def plan_command(
         raise fail(str(exc)) from None
 
 
+@app.command("simulate")
+def simulate_command(
+    workers: int = typer.Option(100, "--workers", help="Simulated workers, split among the profile's classes."),
+    profile: Path | None = typer.Option(
+        None, "--profile", help="TOML: [learner] and [[workers]] classes (default: the local SmolLM2 swarm)."
+    ),
+    steps: int = typer.Option(200, "--steps", help="Learner steps to simulate."),
+    seed: int = typer.Option(0, "--seed", help="Seed of jitter and preemptions: equal seeds, equal results."),
+    all_active: bool = typer.Option(False, "--all-active", help="Every connected worker generates (no autoscale)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
+) -> None:
+    """Simulate a swarm with the learner's own scheduler: utilisation, cost, staleness, broadcast times."""
+    import dataclasses
+
+    from learner.simulator import LearnerProfile, WorkerClass, load_profile, simulate
+
+    if workers < 1 or steps < 1:
+        raise fail("--workers and --steps must be >= 1")
+    try:
+        learner, classes = load_profile(profile) if profile else (LearnerProfile(), [WorkerClass()])
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
+    result = dataclasses.asdict(simulate(learner, classes, workers, steps, seed, autoscale=not all_active))
+    if json_out:
+        print(json.dumps(result))
+        return
+    for key, value in result.items():
+        console.print(f"{key:>22}: {value}", highlight=False)
+
+
 @bench_app.command("sampler")
 def bench_sampler(
     model: str = typer.Option("smollm2-135m", "--model", help="Model name or path (as for learner start)."),

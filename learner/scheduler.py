@@ -7,7 +7,8 @@ The same class drives the real learner (learner/service.py, wall-clock time) and
                 must not switch workers off); per worker mu_i (rollouts/s) and L_i (lease seconds): moving
                 averages with a warm-up (the mean of the first samples, then exponential)
     activation  the cheapest cover of the capacity model (learner/capacity.py), with hysteresis:
-                - a new worker is on probation (active) until `warmup` leases have measured it
+                - a new worker is planned on the rate it declared, or else is on probation (active) until
+                  `warmup` leases have measured it
                 - active workers' prices count (1 - incumbent_discount) in the solver, so noise in the
                   estimates does not swap one worker for a similar one
                 - a worker is deactivated only if the workers left still cover (1 + 2 margin) D, and no
@@ -84,7 +85,8 @@ class WorkerState:
     rollouts_per_s: MovingAverage = field(default_factory=MovingAverage)
     lease_s: MovingAverage = field(default_factory=MovingAverage)
     changed_at: int = -(10**9)  # step of its last activation change
-    reason: str = "new: on probation until measured"
+    reason: str = "joined: on probation until measured (or planned on its declared rate)"
+    declared: tuple[float, float] | None = None  # (rollouts/s, lease seconds) the worker declared
     recent_fresh: list[bool] = field(default_factory=list)  # arrived within the bound, newest last
 
 
@@ -111,6 +113,7 @@ class SchedulerConfig:
     max_groups_per_lease: int = 1
     lease_timeout_s: float = 120.0  # the deadline before a worker is measured, and the longest one
     min_deadline_s: float = 10.0
+    expected_step_s: float | None = None  # T_train to plan on before it is measured (None: plan only then)
 
 
 class Scheduler:
@@ -131,11 +134,17 @@ class Scheduler:
         state = self.workers.get(worker)
         if state is None:
             state = self.workers[worker] = WorkerState(worker)
-            self._decide(state, True, "joined: on probation until measured")
+            self._log(Decision(self.step, worker, True, state.reason))  # joining starts no dwell time
         state.last_seen = now
         if price is not None:
             state.price = price
         return state
+
+    def declare(self, worker: str, rollouts_per_s: float, lease_s: float) -> None:
+        """What a worker says it can do (its hardware's benchmark): planned on until measured."""
+        state = self.workers.get(worker)
+        if state is not None and rollouts_per_s > 0 and lease_s > 0:
+            state.declared = (rollouts_per_s, lease_s)
 
     def lease_done(self, worker: str, now: float, seconds: float, rollouts: int) -> None:
         state = self.seen(worker, now)
@@ -160,24 +169,31 @@ class Scheduler:
     # -- decisions ------------------------------------------------------------------------------------
 
     def figures(self) -> LearnerFigures | None:
-        """The capacity model's learner-side figures, once measured."""
-        if not self.train_s.warm or self.train_s.value is None:
-            return None
+        """The capacity model's learner-side figures: measured, else the expected step time, else None."""
         c = self.cfg
+        if self.train_s.warm:
+            train_s = self.train_s.value
+        elif c.expected_step_s is not None:
+            train_s = c.expected_step_s
+        else:
+            return None
         return LearnerFigures(
             c.rollouts_per_step,
-            self.train_s.value,
+            train_s,
             c.publish_every,
             c.staleness,
             self.bcast_s.value or 0.0,
             c.margin,
-            step_s=self.step_s.value,
+            step_s=self.step_s.value if self.step_s.warm else None,
         )
 
     def profile(self, state: WorkerState) -> WorkerProfile | None:
-        if not state.lease_s.warm:
-            return None
-        return WorkerProfile(state.name, state.rollouts_per_s.value, state.lease_s.value, state.price)
+        """The worker as the model sees it: measured, else declared, else unknown (on probation)."""
+        if state.lease_s.warm:
+            return WorkerProfile(state.name, state.rollouts_per_s.value, state.lease_s.value, state.price)
+        if state.declared is not None:
+            return WorkerProfile(state.name, *state.declared, state.price)
+        return None
 
     def drop_silent(self, now: float) -> list[str]:
         """Forget workers not heard from for silence_s; returns them (their leases must be re-issued)."""

@@ -57,7 +57,7 @@ def test_expensive_worker_not_needed_is_deactivated_once_without_flapping():
     # T = 10 s, B = 2 s: f = 8 * (10 - 2) / 10 = 6.4/s each; demand 1.1 * 32 / 10 = 3.52; keep 1.2 * 3.2 = 3.84
     decisions = steps(s, 1, 60, noise=rng)
     assert [(d.worker, d.active) for d in decisions] == [("pricey", False)]
-    assert "not needed" in decisions[0].reason and decisions[0].step == 5  # after the 5-step dwell
+    assert "not needed" in decisions[0].reason and decisions[0].step == 3  # at the first re-plan (T measured)
     assert s.may_lease("cheap") and not s.may_lease("pricey")
 
 

@@ -1,0 +1,416 @@
+"""A discrete-event simulation of a swarm: the learner, the broadcast and heterogeneous workers.
+
+It drives the real learner's Scheduler (learner/scheduler.py) and capacity model with simulated time,
+so what it predicts is what those decisions do. What is simulated, per event:
+
+    learner    takes a batch of P groups within the staleness bound (oldest first, stale ones dropped),
+               trains for T_train (with jitter), publishes every kappa steps; after each step the
+               scheduler gets the same observations as in a real run and re-plans
+    broadcast  a version of M bytes reaches worker i encode_s + rtt_i + 1.2 * T_min + load_s after the
+               step, T_min = max(M / u_s, M / d_i, N M / (u_s + sum_j u_j)) over the N connected
+               workers (peer-assisted broadcast measured 1.20 x T_min in docs/benchmarks.md); a worker
+               fetches a new version between leases, as the real daemon does
+    workers    lease up to the room the learner leaves (prefetch_batches batches), generate
+               n * G / mu_i seconds (with jitter) plus a round trip, push; preemption at a per-worker
+               Poisson rate, back after down_s (then a full snapshot to fetch); billed while active
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import tomllib
+from collections import Counter
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from learner.scheduler import Scheduler, SchedulerConfig
+from p2p.config import ConfigError
+
+BROADCAST_EFFICIENCY = 1.2  # measured: peer-assisted broadcast finished in 1.20 x T_min
+
+
+@dataclass
+class LearnerProfile:
+    """The simulated learner; every default is the local SmolLM2 swarm of docs/benchmarks.md."""
+
+    prompts_per_step: int = 4
+    group_size: int = 8
+    train_step_s: float = 13.0
+    train_jitter: float = 0.3  # relative: each step takes T * uniform(1 - j, 1 + j)
+    publish_every: int = 1
+    staleness: int = 2
+    prefetch_batches: int = 1
+    groups_per_lease: int = 1
+    version_mb: float = 26.0  # a version on the wire (deltas, mostly)
+    full_mb: float = 191.0  # a full snapshot: what a worker that joins or returns fetches first
+    encode_s: float = 1.0
+    uplink_mbps: float = 1000.0
+    margin: float = 0.1
+    expected_step_s: float = 30.0  # the user's guess of T_train: workers are planned on it until T is measured
+
+
+@dataclass
+class WorkerClass:
+    """One kind of worker; `share` of the simulated workers are of this kind."""
+
+    name: str = "worker"
+    share: float = 1.0
+    rollouts_per_s: float = 6.0  # mu while generating
+    jitter: float = 0.2
+    price_per_hour: float = 0.0
+    rtt_s: float = 0.05
+    uplink_mbps: float = 100.0
+    downlink_mbps: float = 1000.0
+    load_s: float = 2.0  # turn a version into engine weights (GGUF write + load)
+    preempt_per_hour: float = 0.0
+    down_s: float = 600.0
+
+
+@dataclass
+class SimWorker:
+    name: str
+    kind: WorkerClass
+    connected: bool = True
+    busy_until: float = 0.0
+    held: int = -1
+    lease: int | None = None
+    generation: int = 0  # bumps on preemption, so events of a previous life are ignored
+    billed: float = 0.0
+
+
+@dataclass
+class SimResult:
+    steps: int
+    workers: int
+    sim_seconds: float
+    utilisation: float
+    cost: float
+    cost_per_step: float
+    cost_per_1k_rollouts: float
+    staleness: dict[str, int]
+    stale_dropped_groups: int
+    leases_expired: int
+    preemptions: int
+    decisions: int
+    active_workers_mean: float
+    bcast_s_mean: float
+    bcast_s_p95: float
+    notes: list[str] = field(default_factory=list)
+
+
+def load_profile(path: Path) -> tuple[LearnerProfile, list[WorkerClass]]:
+    """A TOML file with an optional [learner] table and [[workers]] tables (fields of the dataclasses above)."""
+    if not path.is_file():
+        raise ConfigError(f"--profile {path} does not exist")
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    learner = _build(LearnerProfile, doc.get("learner", {}), f"{path} [learner]")
+    classes = [_build(WorkerClass, t, f"{path} [[workers]] {k}") for k, t in enumerate(doc.get("workers", []), 1)]
+    if not classes:
+        raise ConfigError(f"{path} needs at least one [[workers]] table (name, share, rollouts_per_s, ...)")
+    if sum(c.share for c in classes) <= 0:
+        raise ConfigError(f"{path}: the [[workers]] shares must add up to more than 0")
+    return learner, classes
+
+
+def _build(cls: type, table: dict[str, Any], where: str) -> Any:
+    known = {f.name: f for f in fields(cls)}
+    for key, value in table.items():
+        if key not in known:
+            raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(known)})")
+        want = type(getattr(cls(), key))
+        if (
+            want is str
+            and not isinstance(value, str)
+            or want is not str
+            and (not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0)
+        ):
+            raise ConfigError(f"{where}: {key} must be {'a string' if want is str else 'a number >= 0'}")
+    return cls(**{k: (int(v) if type(getattr(cls(), k)) is int else v) for k, v in table.items()})
+
+
+class Simulation:
+    def __init__(
+        self, learner: LearnerProfile, classes: list[WorkerClass], n_workers: int, seed: int, autoscale: bool = True
+    ) -> None:
+        self.p = learner
+        self.rng = random.Random(seed)
+        self.autoscale = autoscale
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                rollouts_per_step=learner.prompts_per_step * learner.group_size,
+                publish_every=learner.publish_every,
+                staleness=learner.staleness,
+                margin=learner.margin,
+                max_groups_per_lease=learner.groups_per_lease,
+                expected_step_s=learner.expected_step_s,
+            )
+        )
+        total = sum(c.share for c in classes)
+        counts = [round(n_workers * c.share / total) for c in classes]
+        counts[-1] = n_workers - sum(counts[:-1])
+        self.workers: dict[str, SimWorker] = {}
+        for c, count in zip(classes, counts, strict=True):
+            for k in range(count):
+                name = f"{c.name}-{k:04d}"
+                self.workers[name] = SimWorker(name, c)
+        self.events: list[tuple[float, int, str, tuple]] = []
+        self._seq = 0
+        self.now = 0.0
+        self.version = 0
+        self.buffer: list[tuple[int, str]] = []  # (version, worker) per group
+        self.leases: dict[int, tuple[str, int, int, float]] = {}  # id -> (worker, groups, version, issued at)
+        self.next_lease = 0
+        self.waiting_room = 0  # groups that expired leases gave back
+        self.training = False
+        self.step = 0
+        self.train_seconds = 0.0
+        self.last_bill = 0.0
+        self.cost = 0.0
+        self.staleness: Counter[int] = Counter()
+        self.stale_dropped = 0
+        self.expired = 0
+        self.preemptions = 0
+        self.bcast: list[float] = []
+        self.active_samples: list[int] = []
+        self.last_step_end = 0.0
+        self.idle: list[str] = []  # workers asking for a lease (may hold stale entries: checked on use)
+        self.out: list[tuple[float, int]] = []  # (time it leaves the learner, version), in order
+        self.newest_out = -1
+        self.n_connected = len(self.workers)
+        self.up_connected = sum(w.kind.uplink_mbps for w in self.workers.values())
+
+    # -- event queue ----------------------------------------------------------------------------------
+
+    def at(self, t: float, kind: str, *args: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self.events, (t, self._seq, kind, args))
+
+    def run(self, steps: int) -> SimResult:
+        self.out.append((self.p.encode_s, 0))  # the initial weights, a full snapshot
+        self.at(self.p.encode_s, "published")
+        for w in self.workers.values():
+            self._join(w)
+            self._schedule_preemption(w)
+        if self.autoscale:
+            self.scheduler.replan()  # on the declared rates and the expected step time
+        while self.events and self.step < steps:
+            self.now, _, kind, args = heapq.heappop(self.events)
+            getattr(self, f"_on_{kind}")(*args)
+        self._bill()
+        return self._result()
+
+    # -- learner --------------------------------------------------------------------------------------
+
+    def _try_train(self) -> None:
+        if self.training:
+            return
+        fresh = [g for g in self.buffer if self.version - g[0] <= self.p.staleness]
+        self.stale_dropped += len(self.buffer) - len(fresh)
+        self.buffer = sorted(fresh)
+        p = self.p.prompts_per_step
+        if len(self.buffer) < p:
+            return
+        batch, self.buffer = self.buffer[:p], self.buffer[p:]
+        self.staleness.update(self.version - x for x, _ in batch)
+        self.training = True
+        seconds = self.p.train_step_s * self.rng.uniform(1 - self.p.train_jitter, 1 + self.p.train_jitter)
+        self.at(self.now + seconds, "trained", seconds)
+        self._dispatch()
+
+    def _on_trained(self, seconds: float) -> None:
+        self.training = False
+        self.train_seconds += seconds
+        self.step += 1
+        self.version += 1
+        period = self.now - self.last_step_end
+        self.last_step_end = self.now
+        self._bill()
+        if self.version % self.p.publish_every == 0:
+            self.out.append((self.now + self.p.encode_s, self.version))
+            self.at(self.now + self.p.encode_s, "published")
+            first = min((self._fetch_s(w, self.p.version_mb) for w in self.workers.values() if w.connected), default=0)
+            self.bcast.append(self.p.encode_s + first)
+            self.scheduler.broadcast_done(self.p.encode_s + first)
+        self.scheduler.step_done(self.step, seconds, period, trained=True)
+        for w in self.workers.values():
+            if w.connected:  # connected workers heartbeat
+                self.scheduler.seen(w.name, self.now)
+        for name in self.scheduler.drop_silent(self.now):
+            for lease_id in [i for i, lease in self.leases.items() if lease[0] == name]:
+                self._expire(lease_id)
+        if self.autoscale:
+            self.scheduler.replan()
+        self.active_samples.append(sum(self._billable(w) for w in self.workers.values()))
+        self.idle = [w.name for w in self.workers.values() if self._can_lease(w)]  # (re)activated ones too
+        self._try_train()
+        self._dispatch()
+
+    def _on_published(self) -> None:
+        """A version left the learner: idle workers start fetching it."""
+        self.newest_out = max(v for t, v in self.out if t <= self.now)
+        for w in self.workers.values():
+            if w.connected and w.lease is None and w.busy_until <= self.now:
+                self._wake(w)
+
+    def _room(self) -> int:
+        outstanding = sum(lease[1] for lease in self.leases.values())
+        return self.p.prefetch_batches * self.p.prompts_per_step - len(self.buffer) - outstanding
+
+    def _dispatch(self) -> None:
+        """Hand leases to idle workers, in random order, while the learner has room."""
+        while self.idle and (room := self._room()) > 0:
+            k = self.rng.randrange(len(self.idle))
+            self.idle[k], self.idle[-1] = self.idle[-1], self.idle[k]
+            w = self.workers[self.idle.pop()]
+            if not self._can_lease(w):
+                continue
+            n = min(self.scheduler.lease_groups(w.name), room)
+            self.next_lease += 1
+            lease_id = self.next_lease
+            self.leases[lease_id] = (w.name, n, w.held, self.now)
+            w.lease = lease_id
+            k = w.kind
+            gen = n * self.p.group_size / k.rollouts_per_s * self.rng.uniform(1 - k.jitter, 1 + k.jitter)
+            w.busy_until = self.now + k.rtt_s + gen
+            self.at(w.busy_until, "delivered", w.name, w.generation, lease_id)
+            self.at(self.now + self.scheduler.lease_deadline(w.name), "deadline", lease_id)
+
+    def _can_lease(self, w: SimWorker) -> bool:
+        if not w.connected or w.lease is not None or w.busy_until > self.now or w.held < 0:
+            return False
+        if self.version - w.held > self.p.staleness or self.out[-1][1] > w.held:
+            return False  # a newer version is out or being encoded: the worker fetches it first
+        return not self.autoscale or self.scheduler.may_lease(w.name)
+
+    # -- workers --------------------------------------------------------------------------------------
+
+    def _fetch_s(self, w: SimWorker, mb: float) -> float:
+        """Seconds for worker w to hold a version of `mb` MB from the moment it is encoded."""
+        bits, up = mb * 8e6, self.p.uplink_mbps * 1e6
+        swarm = self.n_connected * bits / (up + self.up_connected * 1e6)
+        t_min = max(bits / up, bits / (w.kind.downlink_mbps * 1e6), swarm)
+        return w.kind.rtt_s + BROADCAST_EFFICIENCY * t_min + w.kind.load_s
+
+    def _wake(self, w: SimWorker) -> None:
+        """An idle worker: fetch the newest version if it lacks it, else ask for a lease."""
+        newest = self.newest_out
+        if newest > w.held:
+            mb = self.p.full_mb if w.held < 0 else self.p.version_mb
+            w.busy_until = self.now + self._fetch_s(w, mb)
+            self.at(w.busy_until, "ready", w.name, w.generation, newest)
+        elif self._can_lease(w):
+            self.idle.append(w.name)
+            self._dispatch()
+
+    def _on_ready(self, name: str, generation: int, version: int) -> None:
+        w = self.workers[name]
+        if w.generation != generation or not w.connected:
+            return
+        w.held = max(w.held, version)
+        self._wake(w)
+
+    def _on_delivered(self, name: str, generation: int, lease_id: int) -> None:
+        w = self.workers[name]
+        if w.generation != generation:
+            return
+        w.lease = None
+        lease = self.leases.pop(lease_id, None)
+        if lease is not None:  # else it expired: the groups went to others, this submission is late
+            _, n, version, issued = lease
+            self.scheduler.lease_done(name, self.now, self.now - issued, n * self.p.group_size)
+            for _ in range(n):
+                self.scheduler.group_arrived(name, fresh=self.version - version <= self.p.staleness)
+                self.buffer.append((version, name))
+            self._try_train()
+        self._wake(w)
+
+    def _on_deadline(self, lease_id: int) -> None:
+        if lease_id in self.leases:
+            self._expire(lease_id)
+
+    def _expire(self, lease_id: int) -> None:
+        name = self.leases.pop(lease_id)[0]
+        self.expired += 1
+        if name in self.workers and self.workers[name].lease == lease_id:
+            self.workers[name].lease = None
+        self._dispatch()
+
+    def _join(self, w: SimWorker) -> None:
+        """A worker joins (or returns) declaring its price and its hardware's nominal rate."""
+        k = w.kind
+        self.scheduler.seen(w.name, self.now, k.price_per_hour)
+        lease_s = k.rtt_s + self.p.groups_per_lease * self.p.group_size / k.rollouts_per_s
+        self.scheduler.declare(w.name, k.rollouts_per_s, lease_s)
+
+    def _schedule_preemption(self, w: SimWorker) -> None:
+        rate = w.kind.preempt_per_hour / 3600
+        if rate > 0:
+            self.at(self.now + self.rng.expovariate(rate), "preempted", w.name, w.generation)
+
+    def _on_preempted(self, name: str, generation: int) -> None:
+        w = self.workers[name]
+        if w.generation != generation or not w.connected:
+            return
+        self._bill()
+        self.preemptions += 1
+        w.connected, w.lease, w.held, w.busy_until = False, None, -1, 0.0
+        w.generation += 1
+        self.n_connected -= 1
+        self.up_connected -= w.kind.uplink_mbps
+        self.at(self.now + w.kind.down_s, "returned", name, w.generation)
+
+    def _on_returned(self, name: str, generation: int) -> None:
+        w = self.workers[name]
+        if w.generation != generation:
+            return
+        self._bill()
+        w.connected = True
+        self.n_connected += 1
+        self.up_connected += w.kind.uplink_mbps
+        self._join(w)
+        self._schedule_preemption(w)
+        self._wake(w)
+
+    # -- money ----------------------------------------------------------------------------------------
+
+    def _billable(self, w: SimWorker) -> bool:
+        """Connected and allowed to generate: an inactive worker is paused, so it costs nothing."""
+        return w.connected and (not self.autoscale or self.scheduler.may_lease(w.name))
+
+    def _bill(self) -> None:
+        dt = self.now - self.last_bill
+        self.cost += sum(w.kind.price_per_hour for w in self.workers.values() if self._billable(w)) * dt / 3600
+        self.last_bill = self.now
+
+    def _result(self) -> SimResult:
+        rollouts = self.step * self.p.prompts_per_step * self.p.group_size
+        bcast = sorted(self.bcast)
+        return SimResult(
+            steps=self.step,
+            workers=len(self.workers),
+            sim_seconds=round(self.now, 1),
+            utilisation=round(self.train_seconds / self.now, 4) if self.now else 0.0,
+            cost=round(self.cost, 4),
+            cost_per_step=round(self.cost / max(self.step, 1), 5),
+            cost_per_1k_rollouts=round(1000 * self.cost / max(rollouts, 1), 5),
+            staleness={str(k): v for k, v in sorted(self.staleness.items())},
+            stale_dropped_groups=self.stale_dropped,
+            leases_expired=self.expired,
+            preemptions=self.preemptions,
+            decisions=len(self.scheduler.decisions),
+            active_workers_mean=round(sum(self.active_samples) / max(len(self.active_samples), 1), 1),
+            bcast_s_mean=round(sum(bcast) / len(bcast), 2) if bcast else 0.0,
+            bcast_s_p95=round(bcast[int(0.95 * (len(bcast) - 1))], 2) if bcast else 0.0,
+        )
+
+
+def simulate(
+    learner: LearnerProfile, classes: list[WorkerClass], n_workers: int, steps: int, seed: int, autoscale: bool = True
+) -> SimResult:
+    return Simulation(learner, classes, n_workers, seed, autoscale).run(steps)

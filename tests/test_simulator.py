@@ -1,0 +1,58 @@
+"""The swarm simulator (learner/simulator.py) and `echo-rl simulate`."""
+
+import json
+
+import pytest
+
+from learner.simulator import LearnerProfile, WorkerClass, simulate
+from tests.conftest import ROOT, run_cli
+
+MIX = [
+    WorkerClass(name="consumer", share=0.7, rollouts_per_s=3, price_per_hour=0.05, preempt_per_hour=2, down_s=120),
+    WorkerClass(name="datacentre", share=0.3, rollouts_per_s=20, price_per_hour=1.5),
+]
+
+
+def test_deterministic_for_a_seed():
+    a = simulate(LearnerProfile(), MIX, 20, 40, seed=3)
+    b = simulate(LearnerProfile(), MIX, 20, 40, seed=3)
+    c = simulate(LearnerProfile(), MIX, 20, 40, seed=4)
+    assert a == b
+    assert a != c  # jitter and preemptions differ
+
+
+def test_bounded_staleness_and_accounting():
+    learner = LearnerProfile(staleness=1, prompts_per_step=8)
+    r = simulate(learner, MIX, 30, 60, seed=0)
+    assert r.steps == 60
+    assert set(r.staleness) <= {"0", "1"}  # nothing beyond S is trained on
+    assert sum(r.staleness.values()) == 60 * 8
+    assert r.preemptions > 0 and 0 < r.utilisation <= 1
+    assert r.cost_per_step == pytest.approx(r.cost / r.steps, rel=0.02)  # both rounded
+
+
+def test_cost_aware_activation_is_cheaper_than_all_active_on_an_oversupplied_swarm():
+    learner = LearnerProfile(prompts_per_step=8, margin=0.3)
+    auto = simulate(learner, MIX, 40, 80, seed=1)
+    every = simulate(learner, MIX, 40, 80, seed=1, autoscale=False)
+    assert auto.active_workers_mean < every.active_workers_mean
+    assert auto.cost_per_1k_rollouts < 0.5 * every.cost_per_1k_rollouts
+    assert auto.decisions > 0
+
+
+def test_a_thousand_workers_for_two_hundred_steps():
+    r = simulate(LearnerProfile(prompts_per_step=64, group_size=8, groups_per_lease=2), MIX, 1000, 200, seed=0)
+    assert r.steps == 200 and r.workers == 1000
+
+
+def test_simulate_command(tmp_path):
+    profile = str(ROOT / "examples" / "swarm-mix.toml")
+    res = run_cli("simulate", "--workers", "50", "--steps", "30", "--profile", profile, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["steps"] == 30 and doc["workers"] == 50
+    bad = tmp_path / "p.toml"
+    bad.write_text("[learner]\nstaleness = 'two'\n[[workers]]\nname = 'a'\n")
+    res = run_cli("simulate", "--profile", str(bad))
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and "staleness must be a number" in lines[0], res.stderr
