@@ -52,28 +52,35 @@ def render(doc: dict) -> Group:
     for key, value in rows:
         run.add_row(key, value)
     peers = Table(title=f"{len(doc['peers'])} peers")
-    for col in (
-        "peer",
-        "role",
-        "price $/h",
-        "version",
-        "lag",
-        "newest held",
-        "tok/s",
-        "leases",
-        "groups",
-        "refused",
-        "seen",
-    ):
-        peers.add_column(col, justify="left" if col in ("peer", "role") else "right")
+    columns = ("peer", "address", "state", "$/h", "ver", "lag", "newest", "tok/s", "leases", "groups")
+    for col in (*columns, "refused", "stale", "seen"):
+        peers.add_column(col, justify="left" if col in ("peer", "address", "state") else "right", no_wrap=True)
+    notes = []
     for p in doc["peers"]:
+        active = p.get("active", True)
+        if not active:
+            notes.append(f"{p['peer_id'][-8:]}: {p.get('activity', '')}")
         peers.add_row(
-            p["peer_id"][-8:], p["role"], f"{p['price']:.2f}", str(p["version"]),
-            "-" if p["version_lag"] is None else str(p["version_lag"]), f"{p['newest_share']:.0%}",
-            f"{p['tokens_per_s']:.0f}", str(p["open_leases"]), str(p["groups_accepted"]), str(p["refused"]),
-            f"{p['last_seen_s']:.0f}s",
+            p["peer_id"][-8:], short_addr(p.get("addr")), "active" if active else "[yellow]inactive[/]",
+            f"{p['price']:.2f}", str(p["version"]), "-" if p["version_lag"] is None else str(p["version_lag"]),
+            f"{p['newest_share']:.0%}", f"{p['tokens_per_s']:.0f}", str(p["open_leases"]), str(p["groups_accepted"]),
+            str(p["refused"]), str(p.get("stale_dropped", 0)), f"{p['last_seen_s']:.0f}s",
         )  # fmt: skip
+    if notes:
+        peers.caption = "inactive: " + "; ".join(notes)
     return Group(run, peers)
+
+
+def console() -> Console:
+    """The terminal's width; piped into a file or a script, wide enough for every column."""
+    plain = Console()
+    return plain if plain.is_terminal else Console(width=160)
+
+
+def short_addr(addr: str | None) -> str:
+    """/ip4/1.2.3.4/tcp/4001/p2p/... -> 1.2.3.4:4001"""
+    parts = (addr or "").split("/")
+    return f"{parts[2]}:{parts[4]}" if len(parts) > 4 and parts[1] in ("ip4", "ip6", "dns4", "dns") else "-"
 
 
 def show_status(addr: str, as_json: bool, watch: bool, timeout: float, interval: float) -> None:
@@ -83,9 +90,9 @@ def show_status(addr: str, as_json: bool, watch: bool, timeout: float, interval:
             print(json.dumps(doc))
             return
         if not watch:
-            Console().print(render(doc))
+            console().print(render(doc))
             return
-        with Live(render(doc), console=Console(), auto_refresh=False) as live:
+        with Live(render(doc), console=console(), auto_refresh=False) as live:
             while True:
                 time.sleep(interval)
                 doc = fetch_status(host, addr, timeout)

@@ -44,6 +44,7 @@ class WorkerRecord:
     groups_accepted: int = 0
     tokens_accepted: int = 0
     refused: int = 0
+    hardware: str = ""  # what it declared it runs on, e.g. "llamacpp, 2 threads, x86_64 (8 cores)"
 
 
 class LearnerService:
@@ -173,13 +174,30 @@ class LearnerService:
                 if version > worker.version and version in self.published_at and version not in self.bcast_seconds:
                     self.bcast_seconds[version] = time.monotonic() - self.published_at[version]
                 worker.version = version
-        if isinstance(tps, int | float) and math.isfinite(tps) and tps >= 0:
-            worker.tokens_per_s = float(tps)
         if isinstance(price, int | float) and math.isfinite(price) and price >= 0:
             worker.price = float(price)
             with self._sched_lock:
                 self.scheduler.seen(peer, worker.last_seen, worker.price)
+        if isinstance(tps, int | float) and math.isfinite(tps) and tps >= 0:
+            worker.tokens_per_s = float(tps)
+            self._declare_rate(peer, worker.tokens_per_s)
+        hardware = msg.get("hardware")
+        if isinstance(hardware, dict):
+            worker.hardware = describe_hardware(hardware)
         return {"newest": self.newest_published}
+
+    def _declare_rate(self, peer: str, tokens_per_s: float) -> None:
+        """Turn a worker's own tokens/s into a declared rollouts/s: the scheduler plans on it until measured."""
+        with self._lock:
+            tokens = sum(w.tokens_accepted for w in self.workers.values())
+            groups = sum(w.groups_accepted for w in self.workers.values())
+        if tokens_per_s <= 0 or tokens == 0:
+            return
+        rollout_tokens = tokens / (groups * self.cfg.grpo.group_size)
+        rate = tokens_per_s / rollout_tokens
+        lease_s = self.cfg.swarm.groups_per_lease * self.cfg.grpo.group_size / rate
+        with self._sched_lock:
+            self.scheduler.declare(peer, rate, lease_s)
 
     def _on_lease(self, peer: str, msg: dict) -> dict:
         worker = self._worker(peer)
@@ -317,6 +335,7 @@ class LearnerService:
                     "active": active,
                     "activity": reason,
                     "price": w.price,
+                    "hardware": w.hardware,
                     "version": w.version,
                     "version_lag": self.version - w.version if w.version >= 0 else None,
                     "newest_share": 1.0 if w.version == newest else (have / len(manifest.chunks) if manifest else 0.0),
@@ -352,9 +371,14 @@ class LearnerService:
         now = time.monotonic()
         with self._lock:
             workers = dict(self.workers)
+        with self._sched_lock:
+            estimates = {peer: (s.rollouts_per_s.value, s.lease_s.value) for peer, s in self.scheduler.workers.items()}
         return {
             peer[-8:]: {
                 "active": self.activity(peer)[0],
+                # the scheduler's estimates: rollouts/s while leased, seconds per lease (None until measured)
+                "rollouts_per_s": _round(estimates.get(peer, (None, None))[0]),
+                "lease_s": _round(estimates.get(peer, (None, None))[1]),
                 "version": w.version,
                 "version_lag": self.version - w.version if w.version >= 0 else None,
                 "tokens_per_s": round(w.tokens_per_s, 1),
@@ -365,3 +389,16 @@ class LearnerService:
             }
             for peer, w in workers.items()
         }
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+def describe_hardware(hardware: dict) -> str:
+    """One bounded line from a worker's declared hardware (untrusted input: only known keys, short values)."""
+    engine, machine = str(hardware.get("engine", "?"))[:16], str(hardware.get("machine", "?"))[:16]
+    threads, cores = hardware.get("threads"), hardware.get("cores")
+    threads = threads if isinstance(threads, int) and 0 < threads < 10_000 else "?"
+    cores = cores if isinstance(cores, int) and 0 < cores < 10_000 else "?"
+    return f"{engine}, {threads} threads, {machine} ({cores} cores)"

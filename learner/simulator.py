@@ -22,7 +22,7 @@ import math
 import random
 import tomllib
 from collections import Counter
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,6 @@ class SimResult:
     active_workers_mean: float
     bcast_s_mean: float
     bcast_s_p95: float
-    notes: list[str] = field(default_factory=list)
 
 
 def load_profile(path: Path) -> tuple[LearnerProfile, list[WorkerClass]]:
@@ -166,7 +165,7 @@ class Simulation:
         self.buffer: list[tuple[int, str]] = []  # (version, worker) per group
         self.leases: dict[int, tuple[str, int, int, float]] = {}  # id -> (worker, groups, version, issued at)
         self.next_lease = 0
-        self.waiting_room = 0  # groups that expired leases gave back
+        self.outstanding = 0  # groups in live leases
         self.training = False
         self.step = 0
         self.train_seconds = 0.0
@@ -259,8 +258,7 @@ class Simulation:
                 self._wake(w)
 
     def _room(self) -> int:
-        outstanding = sum(lease[1] for lease in self.leases.values())
-        return self.p.prefetch_batches * self.p.prompts_per_step - len(self.buffer) - outstanding
+        return self.p.prefetch_batches * self.p.prompts_per_step - len(self.buffer) - self.outstanding
 
     def _dispatch(self) -> None:
         """Hand leases to idle workers, in random order, while the learner has room."""
@@ -274,6 +272,7 @@ class Simulation:
             self.next_lease += 1
             lease_id = self.next_lease
             self.leases[lease_id] = (w.name, n, w.held, self.now)
+            self.outstanding += n
             w.lease = lease_id
             k = w.kind
             gen = n * self.p.group_size / k.rollouts_per_s * self.rng.uniform(1 - k.jitter, 1 + k.jitter)
@@ -323,6 +322,7 @@ class Simulation:
         lease = self.leases.pop(lease_id, None)
         if lease is not None:  # else it expired: the groups went to others, this submission is late
             _, n, version, issued = lease
+            self.outstanding -= n
             self.scheduler.lease_done(name, self.now, self.now - issued, n * self.p.group_size)
             for _ in range(n):
                 self.scheduler.group_arrived(name, fresh=self.version - version <= self.p.staleness)
@@ -335,7 +335,8 @@ class Simulation:
             self._expire(lease_id)
 
     def _expire(self, lease_id: int) -> None:
-        name = self.leases.pop(lease_id)[0]
+        name, n, _, _ = self.leases.pop(lease_id)
+        self.outstanding -= n
         self.expired += 1
         if name in self.workers and self.workers[name].lease == lease_id:
             self.workers[name].lease = None

@@ -192,6 +192,10 @@ def test_status_reports_the_live_run(swarm):
     [peer] = doc["peers"]
     assert peer["role"] == "worker" and peer["price"] == 0.25 and peer["version"] >= 0
     assert 0.0 <= peer["newest_share"] <= 1.0 and peer["last_seen_s"] < 30
+    assert peer["addr"].startswith("/ip4/127.0.0.1/tcp/") and peer["stale_dropped"] >= 0
+    assert peer["active"] is True and isinstance(peer["activity"], str)  # the only worker is never switched off
+    res = run_cli("status", "--run-dir", str(swarm.run_dir))  # the tables
+    assert res.returncode == 0 and peer["peer_id"][-8:] in res.stdout and "active" in res.stdout
 
 
 def test_status_of_a_dead_learner_fails_within_its_timeout(tmp_path):
@@ -214,3 +218,30 @@ def test_status_of_a_dead_learner_fails_within_its_timeout(tmp_path):
         cwd=ROOT,
     )
     assert res.returncode == 2 and "learner.addr does not exist" in res.stderr
+
+
+def test_autoscale_switches_off_an_expensive_worker_that_is_not_needed(swarm):
+    """SmolLM2 (the tiny model trains too fast for one worker ever to be enough): a cheap worker covers the
+    learner's demand, so the expensive one is switched off, stays connected, and training goes on."""
+    learner = swarm.learner(
+        "--model", "smollm2-135m", "--steps", "8", "--prompts-per-step", "4", "--group-size", "8",
+        "--max-new-tokens", "24", "--task-args", "ops=+", "--task-args", "max_value=20", "--lr", "2e-5",
+        "--temperature", "0.8",
+    )  # fmt: skip
+    swarm.worker("cheap", "--price", "0.01", "--threads", "1")
+    swarm.worker("pricey", "--price", "2.0", "--threads", "1")
+    assert swarm.wait(learner, 900) == 0, swarm.log("learner")[-3000:]
+    metrics = swarm.metrics()
+    off = [(m["step"], d) for m in metrics for d in m["decisions"] if not d["active"]]
+    assert off, swarm.log("learner")[-3000:]
+    step, decision = off[0]
+    assert "not needed" in decision["reason"]
+    pricey = decision["worker"]
+    assert metrics[-1]["workers"][pricey]["price"] == 2.0  # the expensive one went, the cheap one stayed
+    cheap = next(w for w in metrics[-1]["workers"] if w != pricey)
+    assert metrics[-1]["workers"][cheap]["active"] and not metrics[-1]["workers"][pricey]["active"]
+    # once off, the expensive worker gets no new leases (one in flight may still land); it still follows versions
+    groups_then = next(m for m in metrics if m["step"] == step)["workers"][pricey]["groups"]
+    assert metrics[-1]["workers"][pricey]["groups"] <= groups_then + 1
+    assert metrics[-1]["workers"][pricey]["version"] >= metrics[-1]["step"] - 2
+    assert len(metrics) == 8

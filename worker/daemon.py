@@ -12,6 +12,8 @@ SIGINT/SIGTERM let the current lease finish and be pushed, then the worker leave
 from __future__ import annotations
 
 import logging
+import os
+import platform
 import signal
 import threading
 import time
@@ -47,6 +49,14 @@ class WorkerDaemon:
         self.tokens_per_s = 0.0
         self.leases_done = 0
         self.newest = -1  # newest version the learner announced
+        # declared to the learner with every heartbeat: what this worker runs on
+        self.hardware = {
+            "engine": cfg.engine,
+            "threads": cfg.threads,
+            "max_batch": cfg.max_batch,
+            "machine": platform.machine(),
+            "cores": os.cpu_count() or 0,
+        }
         self.state = "starting"  # what the worker is doing now, for the live view
 
     def install_signal_handlers(self) -> None:
@@ -120,6 +130,7 @@ class WorkerDaemon:
             "version": self.held[0] if self.held else -1,
             "tokens_per_s": self.tokens_per_s,
             "price": self.cfg.price,
+            "hardware": self.hardware,
         }
 
     def _update(self) -> None:
