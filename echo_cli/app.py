@@ -55,10 +55,16 @@ def fail(message: str) -> typer.Exit:
 
 def user_errors() -> tuple[type[Exception], ...]:
     """Exceptions whose message is a complete one-line explanation for the user."""
-    from learner.models import ModelError
-    from learner.tasks import TaskError
+    errors: list[type[Exception]] = [ConfigError]
+    try:
+        from learner.checkpoint import CheckpointError
+        from learner.models import ModelError
+        from learner.tasks import TaskError
 
-    return (ConfigError, ModelError, TaskError)
+        errors += [ModelError, TaskError, CheckpointError]
+    except ImportError:  # a worker-only install has no torch
+        pass
+    return tuple(errors)
 
 
 @learner_app.command("start")

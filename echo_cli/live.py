@@ -42,11 +42,14 @@ def learner_table(m: dict, rewards: deque[float]) -> Table:
     total_tps = sum(w["tokens_per_s"] for w in workers.values())
     table.add_row("workers", f"{len(workers)}, {total_tps:.0f} tok/s together")
     for peer, w in sorted(workers.items()):
+        state = "" if w.get("active", True) else "[yellow]inactive[/]  "
         table.add_row(
             f"  {peer}",
-            f"v{w['version']} (lag {w['version_lag']})  {w['tokens_per_s']:.0f} tok/s  {w['groups']} groups"
+            f"{state}v{w['version']} (lag {w['version_lag']})  {w['tokens_per_s']:.0f} tok/s  {w['groups']} groups"
             f"  seen {w['seen_s_ago']:.0f}s ago",
         )
+    for d in m.get("decisions", []):
+        table.add_row("decision", f"{'activate' if d['active'] else 'deactivate'} {d['worker']}: {d['reason']}")
     return table
 
 

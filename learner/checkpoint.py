@@ -30,16 +30,28 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     )
 
 
+class CheckpointError(Exception):
+    """A checkpoint could not be written (the older ones are untouched); the message says what to do."""
+
+
 def save_checkpoint(
     run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], keep: int
 ) -> Path:
     final = checkpoint_dir(run_dir) / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_model(model, str(tmp / "model.safetensors"))
-    torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+    try:
+        tmp.mkdir(parents=True)
+        save_model(model, str(tmp / "model.safetensors"))
+        torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+    except (OSError, RuntimeError) as exc:  # torch reports a full disk as a RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(run_dir).free / 1e9
+        raise CheckpointError(
+            f"could not write checkpoint {final} ({exc}; {free:.1f} GB free): free disk space, then continue "
+            f"with --resume from the last complete checkpoint"
+        ) from None
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

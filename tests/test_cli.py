@@ -100,3 +100,13 @@ def test_help_lists_only_working_commands():
     res = run_cli("learner", "start", "--help")
     for flag in ("--colocated", "--resume", "--config", "--group-size", "--lr", "--task-args", "--engine"):
         assert flag in res.stdout
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_with_one_line(tmp_path):
+    run = tmp_path / "R"
+    run.mkdir()
+    (run / "checkpoints").write_text("not a folder")  # as good as a full disk for the learner
+    res = start(run, "--steps", "2", "--checkpoint-every", "1")
+    lines = [ln for ln in res.stderr.strip().splitlines() if "error:" in ln]
+    assert res.returncode == 2 and len(lines) == 1 and "could not write checkpoint" in lines[0], res.stderr
+    assert "--resume" in lines[0] and len(metrics(run)) == 1  # the step's metrics were kept
