@@ -56,7 +56,9 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
         (run.run_dir / "learner.addr").write_text(host.addrs[0] + "\n")
         log.info("learner listening on %s", host.addrs[0])
         seeder = Seeder(host, ChunkStore(spill_dir=run.run_dir / "chunks", memory_budget=1 << 30))
-        publisher = Publisher(seeder, run_id=secrets.token_hex(8), full_every=cfg.swarm.full_every)
+        publisher = Publisher(
+            seeder, run_id=secrets.token_hex(8), full_every=cfg.swarm.full_every, dtype=cfg.swarm.wire_dtype
+        )
         service = LearnerService(
             seeder, cfg, policy, run.task, model_spec(policy), publisher.run_id, first_group=run.start_step * 1000
         )

@@ -1,4 +1,4 @@
-"""Publishing policy versions: trained weights -> bf16 -> signed full snapshot or XOR delta -> swarm."""
+"""Publishing policy versions: trained weights -> bf16 or f16 -> signed full snapshot or XOR delta -> swarm."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from learner.models import export_tensors
 from p2p.broadcast import Seeder
 from p2p.codec import DEFAULT_CHUNK, bf16_bits
+from p2p.config import ConfigError
 from p2p.manifest import Manifest
 from p2p.versions import build_version
 
@@ -22,30 +23,48 @@ VERSIONS_TOPIC = "echo/versions/1"
 class Publisher:
     """Turns the learner's weights into signed policy versions held by the Seeder.
 
-    Workers hold bf16 weights. The first publication and every `full_every`-th one is a full snapshot;
+    Workers hold 16-bit weights: bf16 (the default; deltas are smallest) or f16 (the precision of the
+    sampler's F16 GGUF, so workers sample from the very weights a co-located sampler would).
+    The first publication and every `full_every`-th one is a full snapshot;
     the others are XOR deltas against the previous publication. Versions older than the newest full
     snapshot are dropped from the store: a late joiner needs that snapshot and the deltas after it.
     A short announcement goes out on GossipSub; workers that miss it find the version by polling.
     """
 
-    def __init__(self, seeder: Seeder, run_id: str, full_every: int, chunk_size: int = DEFAULT_CHUNK) -> None:
+    def __init__(
+        self, seeder: Seeder, run_id: str, full_every: int, chunk_size: int = DEFAULT_CHUNK, dtype: str = "bf16"
+    ) -> None:
         self.seeder = seeder
+        self.dtype = dtype  # "bf16" or "f16": the 16-bit format workers get
         self.run_id = run_id
         self.full_every = full_every
         self.chunk_size = chunk_size
         self.published = 0
         self.previous: tuple[int, bytes] | None = None  # (version, raw bf16 bytes) of the last publication
 
-    @staticmethod
-    def snapshot(model: torch.nn.Module) -> dict[str, np.ndarray]:
-        """The model's weights as bf16 bit patterns: a copy, so training may go on while it is published."""
-        return {name: bf16_bits(array) for name, array in export_tensors(model).items()}
+    def snapshot(self, model: torch.nn.Module) -> dict[str, np.ndarray]:
+        """The model's weights in the wire format: a copy, so training may go on while it is published.
+
+        Matrices go as bf16 bit patterns (uint16) or f16; vectors (norms, a few KB) as float32, as the
+        worker's GGUF keeps them.
+        """
+        tensors = {}
+        for name, array in export_tensors(model).items():
+            if array.ndim < 2:
+                tensors[name] = np.asarray(array, dtype=np.float32)
+            elif self.dtype == "bf16":
+                tensors[name] = bf16_bits(array)
+            else:
+                tensors[name] = array.astype(np.float16)
+                if not np.isfinite(tensors[name]).all():
+                    raise ConfigError(f"weight {name} exceeds the f16 range: publish with --wire-dtype bf16")
+        return tensors
 
     def publish(self, version: int, tensors: dict[str, np.ndarray]) -> Manifest:
         """Encode a snapshot as a full or delta version, sign it, hand it to the seeder, announce it."""
         full = self.previous is None or self.published % self.full_every == 0
         pv, raw = build_version(
-            self.run_id, version, tensors, dict.fromkeys(tensors, "bf16"),
+            self.run_id, version, tensors, {n: "bf16" for n, a in tensors.items() if a.dtype == np.uint16},
             base=None if full else self.previous, chunk_size=self.chunk_size,
         )  # fmt: skip
         host = self.seeder.host
@@ -61,7 +80,7 @@ class Publisher:
         except Exception as exc:  # noqa: BLE001 - an announcement is a hint; workers also poll
             log.debug("version announcement failed: %s", exc)
         log.info(
-            "published v%d (%s, %.1f MB on the wire, %.1f%% of bf16)", version, pv.manifest.codec,
+            "published v%d (%s, %.1f MB on the wire, %.1f%% of the raw 16-bit weights)", version, pv.manifest.codec,
             pv.manifest.payload_size / 1e6, 100 * pv.manifest.payload_size / pv.manifest.raw_size,
         )  # fmt: skip
         return pv.manifest

@@ -85,9 +85,9 @@ def check_accounting(metrics: list[dict], staleness: int) -> None:
     assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
 
 
-@pytest.mark.parametrize("mode, staleness", [("async", 1), ("pull", 0)])
-def test_learner_and_two_workers_train(swarm, mode, staleness):
-    learner = swarm.learner("--steps", "8", "--sync-mode", mode, "--staleness", str(staleness))
+@pytest.mark.parametrize("mode, staleness, wire", [("async", 1, "bf16"), ("pull", 0, "f16")])
+def test_learner_and_two_workers_train(swarm, mode, staleness, wire):
+    learner = swarm.learner("--steps", "8", "--sync-mode", mode, "--staleness", str(staleness), "--wire-dtype", wire)
     workers = [swarm.worker("w1"), swarm.worker("w2")]
     assert swarm.wait(learner, 240) == 0, swarm.log("learner")[-3000:]
     for w in workers:  # SIGTERM: a worker leaves cleanly

@@ -44,7 +44,7 @@ class WorkerDaemon:
         self.peer: BroadcastPeer | None = None
         self.engine: Any = None
         self.spec: ModelSpec | None = None
-        self.held: tuple[int, bytes] | None = None  # (version, raw bf16 bytes)
+        self.held: tuple[int, bytes] | None = None  # (version, raw 16-bit weights as published)
         self.run_id: str | None = None
         self.tokens_per_s = 0.0
         self.leases_done = 0
