@@ -20,7 +20,7 @@ from typing import Any
 
 import typer
 
-from p2p.config import ConfigError
+from p2p.config import ConfigError, read_toml
 
 
 @cache
@@ -94,13 +94,7 @@ def load_config(root_cls: type, path: str | Path | None, overrides: dict[str, An
     """Defaults, then the TOML file, then CLI overrides ({field name: value}); validated."""
     data: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        data = read_toml(path, "config file")
     tables = sections(root_cls)
     unknown = sorted(set(data) - set(tables))
     if unknown:

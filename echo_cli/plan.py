@@ -5,26 +5,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import tomllib
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from learner.capacity import LearnerFigures, Plan, WorkerProfile, fresh_rate, plan
-from p2p.config import ConfigError
+from p2p.config import ConfigError, read_toml
 
 REQUIRED = {"name": str, "rollouts_per_s": (int, float), "lease_s": (int, float), "price_per_hour": (int, float)}
 
 
 def load_workers(path: Path) -> list[WorkerProfile]:
     """[[workers]] tables with name, rollouts_per_s, lease_s, price_per_hour (other keys are ignored)."""
-    if not path.is_file():
-        raise ConfigError(f"--workers {path} does not exist")
-    try:
-        doc = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    doc = read_toml(path, "--workers")
     tables = doc.get("workers")
     if not isinstance(tables, list) or not tables:
         raise ConfigError(f"{path} needs [[workers]] tables with name, rollouts_per_s, lease_s, price_per_hour")

@@ -149,9 +149,9 @@ class SwarmConfig:
     publish_every: int = 1
     """kappa: publish a policy version every this many optimizer steps (must be <= S + 1; pull mode uses 1)."""
     full_every: int = 10
-    wire_dtype: Literal["bf16", "f16"] = "bf16"
-    """16-bit format of published weights: bf16 (smallest deltas) or f16 (exactly what the workers' F16 GGUF holds)."""
-    """Every this many publications is a full snapshot; the others are XOR deltas of bf16 weights."""
+    """Every this many publications is a full snapshot; the others are XOR deltas of the 16-bit weights."""
+    wire_dtype: Literal["bf16", "f16"] = "f16"
+    """16-bit format of published weights: f16 (exactly what the workers' F16 GGUF holds) or bf16 (smaller deltas)."""
     lease_timeout: float = 120.0
     """Seconds a worker has to return a lease before its prompts are leased to another worker."""
     groups_per_lease: int = 1

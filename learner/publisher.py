@@ -23,8 +23,8 @@ VERSIONS_TOPIC = "echo/versions/1"
 class Publisher:
     """Turns the learner's weights into signed policy versions held by the Seeder.
 
-    Workers hold 16-bit weights: bf16 (the default; deltas are smallest) or f16 (the precision of the
-    sampler's F16 GGUF, so workers sample from the very weights a co-located sampler would).
+    Workers hold 16-bit weights: f16 (the default: the precision of the sampler's F16 GGUF, so workers
+    sample from the very weights a co-located sampler would) or bf16 (deltas about 40% smaller).
     The first publication and every `full_every`-th one is a full snapshot;
     the others are XOR deltas against the previous publication. Versions older than the newest full
     snapshot are dropped from the store: a late joiner needs that snapshot and the deltas after it.
@@ -32,7 +32,7 @@ class Publisher:
     """
 
     def __init__(
-        self, seeder: Seeder, run_id: str, full_every: int, chunk_size: int = DEFAULT_CHUNK, dtype: str = "bf16"
+        self, seeder: Seeder, run_id: str, full_every: int, chunk_size: int = DEFAULT_CHUNK, dtype: str = "f16"
     ) -> None:
         self.seeder = seeder
         self.dtype = dtype  # "bf16" or "f16": the 16-bit format workers get

@@ -20,14 +20,13 @@ from __future__ import annotations
 import heapq
 import math
 import random
-import tomllib
 from collections import Counter
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from learner.scheduler import Scheduler, SchedulerConfig
-from p2p.config import ConfigError
+from p2p.config import ConfigError, read_toml
 
 BROADCAST_EFFICIENCY = 1.2  # measured: peer-assisted broadcast finished in 1.20 x T_min
 
@@ -102,12 +101,7 @@ class SimResult:
 
 def load_profile(path: Path) -> tuple[LearnerProfile, list[WorkerClass]]:
     """A TOML file with an optional [learner] table and [[workers]] tables (fields of the dataclasses above)."""
-    if not path.is_file():
-        raise ConfigError(f"--profile {path} does not exist")
-    try:
-        doc = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    doc = read_toml(path, "--profile")
     learner = _build(LearnerProfile, doc.get("learner", {}), f"{path} [learner]")
     classes = [_build(WorkerClass, t, f"{path} [[workers]] {k}") for k, t in enumerate(doc.get("workers", []), 1)]
     if not classes:
