@@ -8,9 +8,8 @@ import msgpack
 import numpy as np
 import torch
 
-from learner.models import export_tensors
 from p2p.broadcast import Seeder
-from p2p.codec import DEFAULT_CHUNK, bf16_bits
+from p2p.codec import DEFAULT_CHUNK
 from p2p.config import ConfigError
 from p2p.manifest import Manifest
 from p2p.versions import build_version
@@ -46,16 +45,20 @@ class Publisher:
         """The model's weights in the wire format: a copy, so training may go on while it is published.
 
         Matrices go as bf16 bit patterns (uint16) or f16; vectors (norms, a few KB) as float32, as the
-        worker's GGUF keeps them.
+        worker's GGUF keeps them. torch rounds to nearest even like numpy, 10x faster on the learner's
+        thread (0.03-0.08 s against 0.5-0.7 s for SmolLM2's f16).
         """
         tensors = {}
-        for name, array in export_tensors(model).items():
-            if array.ndim < 2:
-                tensors[name] = np.asarray(array, dtype=np.float32)
+        for name, t in model.state_dict().items():
+            if name == "lm_head.weight":  # tied to the embeddings, as in export_tensors
+                continue
+            t = t.detach()
+            if t.ndim < 2:
+                tensors[name] = t.float().numpy()
             elif self.dtype == "bf16":
-                tensors[name] = bf16_bits(array)
+                tensors[name] = t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
             else:
-                tensors[name] = array.astype(np.float16)
+                tensors[name] = t.to(torch.float16).numpy()
                 if not np.isfinite(tensors[name]).all():
                     raise ConfigError(f"weight {name} exceeds the f16 range: publish with --wire-dtype bf16")
         return tensors

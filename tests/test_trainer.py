@@ -89,3 +89,25 @@ def test_kl_reference_is_kept_only_with_beta():
     trainer = GRPOTrainer(policy.model, GRPOConfig(beta=0.05, lr=1e-2), 1.0)
     trainer.step(make_rollouts(policy))
     assert trainer.step(make_rollouts(policy))["kl_ref"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_published_snapshot_rounds_like_numpy(dtype):
+    """The publisher's torch conversion gives the very bits of the numpy reference (f16 cast, bf16_bits)."""
+    import numpy as np
+
+    from learner.models import export_tensors
+    from learner.publisher import Publisher
+    from p2p.codec import bf16_bits
+
+    model = tiny_policy(seed=3).model
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 + 1e-3 * torch.randn_like(p))  # off the initial values' round numbers
+    publisher = Publisher(seeder=None, run_id="r", full_every=10, dtype=dtype)
+    snapshot = publisher.snapshot(model)
+    reference = export_tensors(model)
+    assert set(snapshot) == set(reference)
+    for name, x in reference.items():
+        want = x if x.ndim < 2 else bf16_bits(x) if dtype == "bf16" else x.astype(np.float16)
+        assert snapshot[name].dtype == want.dtype and np.array_equal(snapshot[name].view(np.uint8), want.view(np.uint8))
