@@ -155,17 +155,25 @@ def _branch_and_bound(order: list[int], costs: list[float], rates: list[float], 
     return sorted(best)
 
 
+def choose_active(rates: dict[str, float], prices: dict[str, float], need: float) -> set[str]:
+    """The provisioning rule: free workers always run; the cheapest cover of what they leave of `need`
+    among the paid ones (all of them if none covers). `rates` are fresh rollouts/s, all > 0."""
+    free = {n for n in rates if prices[n] <= 0}
+    paid = [n for n in rates if prices[n] > 0]
+    rest = need - sum(rates[n] for n in free)
+    if rest <= 0:
+        return free
+    return free | {paid[i] for i in cheapest_cover([prices[n] for n in paid], [rates[n] for n in paid], rest)}
+
+
 def plan(workers: list[WorkerProfile], f: LearnerFigures) -> Plan:
     """Activate the cheapest eligible workers that meet the demand; predict utilisation and cost."""
     ineligible = {w.name: reason for w in workers if (reason := ineligibility(w, f)) is not None}
     eligible = [w for w in workers if w.name not in ineligible]
     rates = {w.name: fresh_rate(w, f) for w in eligible}
     need = demand(f)
-    paid = [w for w in eligible if w.price_per_hour > 0]
-    free = [w for w in eligible if w.price_per_hour <= 0]  # free workers are always worth running
-    free_rate = sum(rates[w.name] for w in free)
-    picked = cheapest_cover([w.price_per_hour for w in paid], [rates[w.name] for w in paid], need - free_rate)
-    active = free + ([paid[i] for i in picked] if free_rate < need else [])
+    chosen = choose_active(rates, {w.name: w.price_per_hour for w in eligible}, need)
+    active = [w for w in eligible if w.name in chosen]
     supply = sum(rates[w.name] for w in active)
     utilisation = min(1.0, supply * f.train_step_s / f.rollouts_per_step)
     cost_per_hour = sum(w.price_per_hour for w in active)

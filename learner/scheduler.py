@@ -28,7 +28,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from learner.capacity import LearnerFigures, WorkerProfile, cheapest_cover, demand, fresh_rate, ineligibility
+from learner.capacity import LearnerFigures, WorkerProfile, choose_active, demand, fresh_rate, ineligibility
 
 log = logging.getLogger(__name__)
 
@@ -224,13 +224,8 @@ class Scheduler:
         # a worker the model finds ineligible supplies nothing fresh, but is only switched off if others cover
         rates = {n: fresh_rate(p, figs) if ineligibility(p, figs) is None else 0.0 for n, p in measured.items()}
         useful = [n for n in measured if rates[n] > 0]
-        free = [n for n in useful if measured[n].price_per_hour <= 0]  # free workers always run
-        paid = [n for n in useful if measured[n].price_per_hour > 0]
-        need = demand(figs) - sum(rates[n] for n in free)
-        costs = [measured[n].price_per_hour * (1 - c.incumbent_discount * self.workers[n].active) for n in paid]
-        target = set(free)
-        if need > 0:
-            target |= {paid[i] for i in cheapest_cover(costs, [rates[n] for n in paid], need)}
+        prices = {n: measured[n].price_per_hour * (1 - c.incumbent_discount * self.workers[n].active) for n in useful}
+        target = choose_active({n: rates[n] for n in useful}, prices, demand(figs))
         settled = {n for n in measured if self.step - self.workers[n].changed_at >= c.dwell_steps}
         for n in sorted(target & settled):
             if not self.workers[n].active:

@@ -98,6 +98,7 @@ class LearnerService:
         self.bcast_seconds: dict[int, float] = {}  # version -> seconds until the first worker held it
         self.published_at: dict[int, float] = {}
         self._bcast_seen = -1  # newest version whose broadcast time the scheduler has seen
+        self.tokens_accepted = 0  # completion tokens of all accepted rollouts
         self.version_bytes: dict[int, int] = {}  # version -> bytes on the wire
         self._problems: dict[int, tuple[Problem, list[int]]] = {}
         self._lock = threading.Lock()
@@ -188,9 +189,7 @@ class LearnerService:
 
     def _declare_rate(self, peer: str, tokens_per_s: float) -> None:
         """Turn a worker's own tokens/s into a declared rollouts/s: the scheduler plans on it until measured."""
-        with self._lock:
-            tokens = sum(w.tokens_accepted for w in self.workers.values())
-            groups = sum(w.groups_accepted for w in self.workers.values())
+        tokens, groups = self.tokens_accepted, self.buffer.added
         if tokens_per_s <= 0 or tokens == 0:
             return
         rollout_tokens = tokens / (groups * self.cfg.grpo.group_size)
@@ -276,8 +275,11 @@ class LearnerService:
             self.scheduler.lease_done(peer, now, now - lease.issued_at, sum(len(g) for g in scored))
             for _ in scored:
                 self.scheduler.group_arrived(peer, fresh=self.version - version <= self.buffer.staleness)
-        worker.groups_accepted += len(scored)
-        worker.tokens_accepted += sum(len(r.completion_ids) for g in scored for r in g)
+        tokens = sum(len(r.completion_ids) for g in scored for r in g)
+        with self._lock:
+            worker.groups_accepted += len(scored)
+            worker.tokens_accepted += tokens
+            self.tokens_accepted += tokens  # all workers: the mean rollout length turns tokens/s into rollouts/s
         return {"accepted": len(scored)}
 
     def _validate(self, group_ids: list[int], version: int, min_version: int, groups: list) -> list[list[Completion]]:
