@@ -45,7 +45,11 @@ def render(doc: dict) -> Group:
         ("mode", f"{doc['mode']}, staleness S={doc['staleness']}, publish every {doc['publish_every']}"),
         ("utilisation", "-" if util is None else f"{util:.0%}"),
         ("reward (last step)", "-" if reward is None else f"{reward:.3f}"),
-        ("buffer", f"{doc['buffer']} groups, {doc['stale_dropped']} dropped as stale"),
+        (
+            "buffer",
+            f"{doc['buffer']} groups, {doc['stale_dropped']} dropped as stale, "
+            f"{doc.get('set_aside', 0)} set aside without signal",
+        ),
         ("rollouts/s", f"{doc['rollouts_per_s']:.2f}"),
         ("address", doc["addrs"][0] if doc["addrs"] else "-"),
     ]

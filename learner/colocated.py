@@ -15,8 +15,10 @@ import numpy as np
 
 from learner.config import LearnerConfig
 from learner.models import export_tensors, model_spec
+from learner.replay import has_signal
 from learner.rollouts import score_groups
 from learner.run import batch_metrics, open_run, step_seed
+from learner.trainer import Rollout
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams
 
 
@@ -37,27 +39,36 @@ def train_colocated(cfg: LearnerConfig, engine: Sampler, resume: bool = False) -
     t_run = time.perf_counter() - run.wall_offset
     for step in range(run.start_step + 1, cfg.run.steps + 1):
         seconds: dict[str, float] = {}
+
+        # 1-3. prompts chosen by the learner and seeded by (seed, step); G completions each with the
+        #      current policy (version step - 1); rewards scored here, advantages normalised per group.
+        #      Dynamic sampling: while fewer than P groups carry signal, draw another P prompts
+        rng = random.Random(step_seed(cfg.run.seed, step))
+        scored: list[list[Rollout]] = []
+        for round_ in range(cfg.grpo.sampling_rounds if cfg.grpo.dynamic_sampling else 1):
+            problems = [task.sample(rng) for _ in range(cfg.grpo.prompts_per_step)]
+            prompts = [policy.render_prompt(p.prompt) for p in problems]
+            params = SamplingParams(
+                cfg.sampler.temperature,
+                cfg.sampler.top_p,
+                cfg.sampler.max_new_tokens,
+                step_seed(cfg.run.seed + 1 + round_, step),
+            )
+            tick = time.perf_counter()
+            groups = engine.generate([GenerationRequest(p, cfg.grpo.group_size) for p in prompts], params)
+            seconds["generate"] = seconds.get("generate", 0.0) + time.perf_counter() - tick
+            tick = time.perf_counter()
+            scored += score_groups(task, policy, problems, prompts, groups, version=step - 1)
+            seconds["score"] = seconds.get("score", 0.0) + time.perf_counter() - tick
+            if sum(map(has_signal, scored)) >= cfg.grpo.prompts_per_step:
+                break
+        batch = scored
+        if cfg.grpo.dynamic_sampling:
+            batch = [g for g in scored if has_signal(g)][: cfg.grpo.prompts_per_step]
         tick = time.perf_counter()
 
-        # 1. prompts: chosen by the learner, seeded by (seed, step)
-        rng = random.Random(step_seed(cfg.run.seed, step))
-        problems = [task.sample(rng) for _ in range(cfg.grpo.prompts_per_step)]
-        prompts = [policy.render_prompt(p.prompt) for p in problems]
-
-        # 2. generate G completions per prompt with the current policy (version step - 1)
-        params = SamplingParams(
-            cfg.sampler.temperature, cfg.sampler.top_p, cfg.sampler.max_new_tokens, step_seed(cfg.run.seed + 1, step)
-        )
-        groups = engine.generate([GenerationRequest(p, cfg.grpo.group_size) for p in prompts], params)
-        seconds["generate"], tick = time.perf_counter() - tick, time.perf_counter()
-
-        # 3. score on the learner and normalise advantages within each group
-        scored = score_groups(task, policy, problems, prompts, groups, version=step - 1)
-        rollouts = [r for group in scored for r in group]
-        seconds["score"], tick = time.perf_counter() - tick, time.perf_counter()
-
         # 4. one optimizer step
-        stats = trainer.step(rollouts)
+        stats = trainer.step([r for g in batch for r in g])
         seconds["train"], tick = time.perf_counter() - tick, time.perf_counter()
 
         # 5. hand the new weights to the sampler
@@ -68,8 +79,8 @@ def train_colocated(cfg: LearnerConfig, engine: Sampler, resume: bool = False) -
         record = {
             "step": step,
             "wall_s": round(time.perf_counter() - t_run, 3),
-            **batch_metrics(rollouts, scored, stats),
-            "gen_tokens_per_s": sum(len(r.completion_ids) for r in rollouts) / max(seconds["generate"], 1e-9),
+            **batch_metrics(scored, stats),
+            "gen_tokens_per_s": sum(len(r.completion_ids) for g in scored for r in g) / max(seconds["generate"], 1e-9),
             "utilisation": seconds["train"] / sum(seconds.values()),  # the learner trains, then waits for itself
             "seconds": {k: round(v, 4) for k, v in seconds.items()},
         }

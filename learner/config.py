@@ -93,6 +93,10 @@ class GRPOConfig:
     """Skip groups whose rewards are all equal (they carry no signal) instead of computing their zero gradient."""
     micro_batch_tokens: int = 4096
     """Padded tokens per forward/backward pass; bounds memory."""
+    dynamic_sampling: bool = True
+    """Each step trains on prompts_per_step groups with signal: equal-reward ones are set aside and replaced (DAPO)."""
+    sampling_rounds: int = 4
+    """With dynamic sampling, after this many batches' worth of groups train on whatever signal was found."""
 
     def validate(self) -> None:
         require(self.prompts_per_step >= 1, "grpo.prompts_per_step", "must be >= 1")
@@ -109,6 +113,7 @@ class GRPOConfig:
         require(self.beta >= 0, "grpo.beta", f"must be >= 0, got {self.beta}")
         require(self.max_grad_norm > 0, "grpo.max_grad_norm", "must be > 0")
         require(self.micro_batch_tokens >= 64, "grpo.micro_batch_tokens", "must be >= 64")
+        require(self.sampling_rounds >= 1, "grpo.sampling_rounds", f"must be >= 1, got {self.sampling_rounds}")
 
 
 @dataclass

@@ -77,20 +77,20 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
             seconds: dict[str, float] = {}
             tick = time.perf_counter()
 
-            # 1. wait for a batch: P groups generated within the staleness bound
-            batch = None
-            while batch is None:
-                batch = service.buffer.take(grpo.prompts_per_step, version, timeout=1.0)
+            # 1. wait for a batch: P groups generated within the staleness bound (with dynamic sampling:
+            #    P groups with signal, plus the groups set aside without it, which count in the metrics)
+            taken = None
+            while taken is None:
+                taken = service.buffer.take(grpo.prompts_per_step, version, timeout=1.0)
                 service.leases.expire()
+            batch, set_aside = taken
             seconds["wait"], tick = time.perf_counter() - tick, time.perf_counter()
 
             # 2. one optimizer step on them. The version moves on before the step: leases handed out
             #    from now on are measured against it (in pull mode: none until it is published)
             version = step
             service.version = version
-            groups = [g.rollouts for g in batch]
-            rollouts = [r for g in groups for r in g]
-            stats = trainer.step(rollouts)
+            stats = trainer.step([r for g in batch for r in g.rollouts])
             seconds["train"], tick = time.perf_counter() - tick, time.perf_counter()
 
             # 3. publish every kappa steps: snapshot the weights here (the next step changes them), encode,
@@ -105,16 +105,18 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
 
             decisions = service.schedule(step, seconds["train"], step_s, trained=stats["trained_tokens"] > 0)
             counters = service.leases.counters
+            groups = [g.rollouts for g in batch + set_aside]  # all this step generated
             record = {
                 "step": step,
                 "wall_s": round(time.perf_counter() - t_run, 3),
-                **batch_metrics(rollouts, groups, stats),
+                **batch_metrics(groups, stats),
                 "utilisation": seconds["train"] / step_s if step_s > 0 else 0.0,
-                "buffer": len(service.buffer),
+                "buffer": service.buffer.held,
                 "staleness": service.buffer.staleness_histogram(batch, version - 1),
                 "stale_dropped": service.buffer.dropped_stale,
                 "groups_accepted": service.buffer.added,
                 "groups_consumed": service.buffer.consumed,
+                "groups_set_aside": service.buffer.set_aside,
                 "leases": {
                     "issued": counters.issued,
                     "completed": counters.completed,

@@ -125,8 +125,10 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     path.write_text("".join(ln + "\n" for ln in lines))
 
 
-def batch_metrics(rollouts: list[Rollout], groups: list[list[Rollout]], stats: dict) -> dict:
-    """The metrics every loop reports about the batch it trained on."""
+def batch_metrics(groups: list[list[Rollout]], stats: dict) -> dict:
+    """The metrics every loop reports about the groups generated for a step (with dynamic sampling:
+    those trained on and those set aside for lack of signal, so the reward is not biased by the filter)."""
+    rollouts = [r for g in groups for r in g]
     rewards = [r.reward for r in rollouts]
     tokens = sum(len(r.completion_ids) for r in rollouts)
     by_version: dict[int, list[float]] = {}
@@ -143,6 +145,7 @@ def batch_metrics(rollouts: list[Rollout], groups: list[list[Rollout]], stats: d
         "tokens": tokens,
         "trained_tokens": stats["trained_tokens"],
         "completion_len_mean": tokens / len(rollouts),
+        "groups": len(groups),
         "equal_reward_groups": sum(len({r.reward for r in g}) == 1 for g in groups),
         # how good each policy version that generated this batch is: (mean reward, rollouts)
         "reward_by_version": {str(v): [float(np.mean(rs)), len(rs)] for v, rs in sorted(by_version.items())},

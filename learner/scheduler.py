@@ -100,7 +100,7 @@ class Decision:
 
 @dataclass
 class SchedulerConfig:
-    rollouts_per_step: int  # R
+    rollouts_per_step: int  # R, rollouts generated per step (with dynamic sampling the learner raises it)
     publish_every: int  # kappa
     staleness: int  # S
     margin: float = 0.1

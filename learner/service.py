@@ -75,7 +75,10 @@ class LearnerService:
         self.spec = spec
         self.run_id = run_id
         swarm = cfg.swarm
-        self.buffer = ReplayBuffer(0 if swarm.sync_mode == "pull" else swarm.staleness)
+        grpo = cfg.grpo
+        self.buffer = ReplayBuffer(
+            0 if swarm.sync_mode == "pull" else swarm.staleness, grpo.dynamic_sampling, grpo.sampling_rounds
+        )
         self.leases = LeaseTable(swarm.lease_timeout, first_group)
         # pull mode uses every worker: each lease there waits for the newest version, which the model does not cover
         self.autoscale = swarm.autoscale and swarm.sync_mode == "async"
@@ -118,6 +121,15 @@ class LearnerService:
                 self._problems[group_id] = (problem, self.policy.render_prompt(problem.prompt))
             return self._problems[group_id]
 
+    def groups_per_batch(self) -> int:
+        """Groups to generate for one batch: prompts_per_step, or with dynamic sampling as many more as
+        the share of groups with signal says (at most sampling_rounds batches' worth)."""
+        grpo = self.cfg.grpo
+        if not grpo.dynamic_sampling:
+            return grpo.prompts_per_step
+        share = max(self.buffer.signal_share, 1 / grpo.sampling_rounds)
+        return math.ceil(grpo.prompts_per_step / share)
+
     def mark_published(self, version: int, payload_bytes: int) -> None:
         with self._lock:
             self.version_bytes[version] = payload_bytes
@@ -143,6 +155,7 @@ class LearnerService:
             new_bcast = [s for v, s in self.bcast_seconds.items() if v > self._bcast_seen]
             self._bcast_seen = max(self.bcast_seconds, default=self._bcast_seen)
         with self._sched_lock:
+            self.scheduler.cfg.rollouts_per_step = self.groups_per_batch() * self.cfg.grpo.group_size
             self.scheduler.step_done(step, train_s, step_s, trained)
             for seconds in new_bcast:
                 self.scheduler.broadcast_done(seconds)
@@ -211,7 +224,7 @@ class LearnerService:
         if swarm.sync_mode == "pull":
             if held != self.version:
                 return wait  # refresh to the newest version first (or wait until it is published)
-            room = grpo.prompts_per_step - len(self.buffer) - self.leases.outstanding_groups()
+            room = self.groups_per_batch() - len(self.buffer) - self.leases.outstanding_groups()
         else:
             if self.version - held > swarm.staleness:
                 return wait  # too stale to be useful: update first
@@ -221,7 +234,8 @@ class LearnerService:
                 with self._sched_lock:
                     if not self.scheduler.may_lease(peer):  # it keeps polling, so it fetches and relays versions
                         return {"wait": 0.5, "newest": self.newest_published, "inactive": True}
-            room = swarm.prefetch_batches * grpo.prompts_per_step - len(self.buffer) - self.leases.outstanding_groups()
+            wanted = swarm.prefetch_batches * self.groups_per_batch()
+            room = wanted - len(self.buffer) - self.leases.outstanding_groups()
         with self._sched_lock:
             n = min(max_groups, self.scheduler.lease_groups(peer), room)
             deadline = self.scheduler.lease_deadline(peer)
@@ -362,7 +376,8 @@ class LearnerService:
             "publish_every": swarm.publish_every,
             "utilisation": last.get("utilisation"),
             "reward": last.get("reward_mean"),
-            "buffer": len(self.buffer),
+            "buffer": self.buffer.held,
+            "set_aside": self.buffer.set_aside,
             "rollouts_per_s": round(self.buffer.added * self.cfg.grpo.group_size / max(now - self.started, 1e-9), 2),
             "stale_dropped": self.buffer.dropped_stale,
             "uptime_s": round(now - self.started, 1),

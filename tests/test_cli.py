@@ -53,6 +53,24 @@ def test_resume_is_exact(tmp_path):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-7)
 
 
+def test_dynamic_sampling_trains_on_groups_with_signal(tmp_path):
+    """Equal-reward groups are replaced by new prompts until P groups carry signal (or the rounds run out);
+    the reward counts every group generated, so the filter does not bias it."""
+    data = tmp_path / "short.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": 40}) + "\n" for i in range(5)))
+    common = ["--task", f"jsonl:{data}", "--task-args", "reward=tests.rewards:starts_ascii", "--max-new-tokens", "8"]
+    common += ["--steps", "3", "--prompts-per-step", "3", "--group-size", "2"]  # half the pairs agree
+    assert start(tmp_path / "dyn", *common, "--sampling-rounds", "3").returncode == 0
+    assert start(tmp_path / "plain", *common, "--no-dynamic-sampling").returncode == 0
+    dyn, plain = metrics(tmp_path / "dyn"), metrics(tmp_path / "plain")
+    assert all(m["groups"] == 3 for m in plain)
+    for m in dyn:
+        with_signal = m["groups"] - m["equal_reward_groups"]
+        assert m["groups"] in (3, 6, 9) and (with_signal >= 3 or m["groups"] == 9)
+        assert m["trained_tokens"] > 0
+    assert any(m["groups"] > 3 for m in dyn)
+
+
 @pytest.mark.parametrize("task", ["countdown", "sokoban", "knights-knaves"])
 def test_every_task_trains(tmp_path, task):
     res = start(tmp_path / task, "--task", task, "--steps", "2", "--prompts-per-step", "2", "--group-size", "4")

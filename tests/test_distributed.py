@@ -81,7 +81,8 @@ def check_accounting(metrics: list[dict], staleness: int) -> None:
     """Every consumed group was within the bound, and every accepted group is consumed, buffered or dropped."""
     for m in metrics:
         assert all(int(k) <= staleness for k in m["staleness"]), m["staleness"]
-        assert m["groups_accepted"] == m["groups_consumed"] + m["buffer"] + m["stale_dropped"]
+        held = m["groups_consumed"] + m["groups_set_aside"] + m["buffer"]
+        assert m["groups_accepted"] == held + m["stale_dropped"]
     assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
 
 

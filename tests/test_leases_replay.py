@@ -4,6 +4,7 @@ import pytest
 
 from learner.leases import LeaseError, LeaseTable
 from learner.replay import ReplayBuffer, ScoredGroup
+from learner.trainer import Rollout
 from p2p.broadcast import ChunkStore
 
 
@@ -40,12 +41,45 @@ def test_replay_buffer_respects_staleness_and_counts_drops():
     buf = ReplayBuffer(staleness=1)
     for gid, version in [(0, 3), (1, 4), (2, 5), (3, 5)]:
         buf.add(group(gid, version))
-    batch = buf.take(2, version=5, timeout=0.1)
+    batch, set_aside = buf.take(2, version=5, timeout=0.1)
+    assert set_aside == []
     assert [g.group_id for g in batch] == [1, 2]  # v3 is 2 behind: dropped; oldest usable first
     assert buf.dropped_stale == 1 and len(buf) == 1
     assert buf.take(2, version=5, timeout=0.05) is None  # only one usable group left
     assert buf.added == buf.consumed + len(buf) + buf.dropped_stale
     assert buf.staleness_histogram(batch, 5) == {"0": 1, "1": 1}
+
+
+def scored(gid, version, rewards):
+    return ScoredGroup(gid, version, "w", [Rollout([1], [2], [0.0], r) for r in rewards])
+
+
+def test_dynamic_sampling_sets_aside_groups_without_signal():
+    buf = ReplayBuffer(staleness=0, dynamic_sampling=True, rounds=3)
+    buf.add(scored(0, 1, [1.0, 1.0]))  # all correct: no signal
+    buf.add(scored(1, 1, [0.0, 1.0]))
+    buf.add(scored(2, 1, [0.0, 0.0]))  # all wrong: no signal
+    assert len(buf) == 1 and buf.take(2, version=1, timeout=0.05) is None  # one group with signal of two
+    buf.add(scored(3, 1, [1.0, 0.0]))
+    batch, set_aside = buf.take(2, version=1, timeout=0.1)
+    assert [g.group_id for g in batch] == [1, 3] and [g.group_id for g in set_aside] == [0, 2]
+    assert buf.set_aside == 2 and buf.signal_share < 1.0
+
+    # the policy solves everything: after rounds * n groups it trains on what signal there is
+    for gid in range(10, 15):
+        buf.add(scored(gid, 1, [1.0, 1.0]))
+    assert buf.take(2, version=1, timeout=0.05) is None
+    buf.add(scored(15, 1, [1.0, 1.0]))
+    batch, set_aside = buf.take(2, version=1, timeout=0.1)
+    assert batch == [] and len(set_aside) == 6
+
+    # set-aside groups obey the staleness bound too
+    buf.add(scored(20, 1, [1.0, 1.0]))
+    buf.add(scored(21, 2, [0.0, 1.0]))
+    buf.add(scored(22, 2, [0.0, 1.0]))
+    batch, set_aside = buf.take(2, version=2, timeout=0.1)
+    assert [g.group_id for g in batch] == [21, 22] and set_aside == [] and buf.dropped_stale == 1
+    assert buf.added == buf.consumed + buf.set_aside + buf.held + buf.dropped_stale
 
 
 def test_chunk_store_spills_to_disk(tmp_path):
