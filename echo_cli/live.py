@@ -75,7 +75,7 @@ def worker_table(daemon: Any) -> Table:
     from p2p.host import PeerUnavailable  # here, not at the top: the CLI starts without libp2p
 
     table = Table(show_header=False, box=None, padding=(0, 2))
-    held = daemon.held[0] if daemon.held else None
+    held = daemon.version if daemon.version >= 0 else None
     table.add_row("now", daemon.state)
     table.add_row("version", f"{'-' if held is None else f'v{held}'}  (newest published: v{daemon.newest})")
     table.add_row("throughput", f"{daemon.tokens_per_s:.0f} tok/s on the last lease")

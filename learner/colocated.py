@@ -27,6 +27,8 @@ class Sampler(Protocol):
 
     def load_policy(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None: ...
 
+    def load_adapters(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None: ...
+
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]: ...
 
 
@@ -71,8 +73,10 @@ def train_colocated(cfg: LearnerConfig, engine: Sampler, resume: bool = False) -
         stats = trainer.step([r for g in batch for r in g])
         seconds["train"], tick = time.perf_counter() - tick, time.perf_counter()
 
-        # 5. hand the new weights to the sampler
-        if stats["trained_tokens"]:
+        # 5. hand the new weights to the sampler (LoRA: only the adapters, hot-swapped on the base)
+        if stats["trained_tokens"] and cfg.model.lora_rank:
+            engine.load_adapters(spec, export_tensors(policy.model, adapter_only=True))
+        elif stats["trained_tokens"]:
             engine.load_policy(spec, export_tensors(policy.model))
         seconds["export"] = time.perf_counter() - tick
 

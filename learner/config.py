@@ -45,9 +45,15 @@ class ModelConfig:
     """`smollm2-135m` (bundled), `tiny` (random 2-layer Llama for tests), or a local HF folder or GGUF file."""
     cache_dir: str = "~/.cache/echo-rl"
     """Where converted model weights are cached between runs."""
+    lora_rank: int = 0
+    """Train rank-r LoRA adapters on every projection, base frozen (0 = all weights); versions ship adapters only."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: an adapter adds (lora_alpha / lora_rank) * B A to its weight."""
 
     def validate(self) -> None:
         require(bool(self.model), "model.model", "must not be empty")
+        require(self.lora_rank >= 0, "model.lora_rank", f"must be >= 0 (0 trains all weights), got {self.lora_rank}")
+        require(self.lora_alpha > 0, "model.lora_alpha", f"must be > 0, got {self.lora_alpha}")
 
 
 @dataclass

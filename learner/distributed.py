@@ -57,7 +57,11 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
         log.info("learner listening on %s", host.addrs[0])
         seeder = Seeder(host, ChunkStore(spill_dir=run.run_dir / "chunks", memory_budget=1 << 30))
         publisher = Publisher(
-            seeder, run_id=secrets.token_hex(8), full_every=cfg.swarm.full_every, dtype=cfg.swarm.wire_dtype
+            seeder,
+            run_id=secrets.token_hex(8),
+            full_every=cfg.swarm.full_every,
+            dtype=cfg.swarm.wire_dtype,
+            lora=cfg.model.lora_rank > 0,
         )
         service = LearnerService(
             seeder, cfg, policy, run.task, model_spec(policy), publisher.run_id, first_group=run.start_step * 1000

@@ -17,6 +17,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from learner.lora import wire_state
 from p2p.messages import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class Policy:
     tokenizer: PreTrainedTokenizerFast
     name: str
     tokenizer_pre: str = "default"
+    lora_rank: int = 0  # > 0 once learner.lora.add_lora injected adapters
+    lora_alpha: float = 0.0
 
     def render_prompt(self, user_text: str) -> list[int]:
         """Render one user turn with the chat template and return its token ids."""
@@ -218,9 +221,11 @@ def model_spec(policy: Policy) -> ModelSpec:
         token_types=token_types,
         merges=merges,
         tokenizer_pre=policy.tokenizer_pre,
+        lora_rank=policy.lora_rank,
+        lora_alpha=policy.lora_alpha,
     )
 
 
-def export_tensors(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    """The model's weights as float32 numpy arrays under their HF names (tied weights once)."""
-    return {name: t.detach().float().numpy() for name, t in model.state_dict().items() if name != "lm_head.weight"}
+def export_tensors(model: torch.nn.Module, adapter_only: bool = False) -> dict[str, np.ndarray]:
+    """The model's weights as float32 numpy arrays under their wire names (learner.lora.wire_state)."""
+    return {name: t.float().numpy() for name, t in wire_state(model, adapter_only).items()}

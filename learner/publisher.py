@@ -8,6 +8,7 @@ import msgpack
 import numpy as np
 import torch
 
+from learner.lora import wire_state
 from p2p.broadcast import Seeder
 from p2p.codec import DEFAULT_CHUNK
 from p2p.config import ConfigError
@@ -28,12 +29,24 @@ class Publisher:
     the others are XOR deltas against the previous publication. Versions older than the newest full
     snapshot are dropped from the store: a late joiner needs that snapshot and the deltas after it.
     A short announcement goes out on GossipSub; workers that miss it find the version by polling.
+
+    LoRA runs (`lora`): the first publication is a full snapshot (frozen base and adapters); every later
+    one carries only the adapters and names that snapshot as its base (adapter_base). The store keeps
+    the base and the newest adapter versions.
     """
 
     def __init__(
-        self, seeder: Seeder, run_id: str, full_every: int, chunk_size: int = DEFAULT_CHUNK, dtype: str = "f16"
+        self,
+        seeder: Seeder,
+        run_id: str,
+        full_every: int,
+        chunk_size: int = DEFAULT_CHUNK,
+        dtype: str = "f16",
+        lora: bool = False,
     ) -> None:
         self.seeder = seeder
+        self.lora = lora
+        self.base: int | None = None  # LoRA runs: the version holding the full weights
         self.dtype = dtype  # "bf16" or "f16": the 16-bit format workers get
         self.run_id = run_id
         self.full_every = full_every
@@ -49,10 +62,7 @@ class Publisher:
         thread (0.03-0.08 s against 0.5-0.7 s for SmolLM2's f16).
         """
         tensors = {}
-        for name, t in model.state_dict().items():
-            if name == "lm_head.weight":  # tied to the embeddings, as in export_tensors
-                continue
-            t = t.detach()
+        for name, t in wire_state(model, adapter_only=self.lora and self.base is not None).items():
             if t.ndim < 2:
                 tensors[name] = t.float().numpy()
             elif self.dtype == "bf16":
@@ -65,17 +75,25 @@ class Publisher:
 
     def publish(self, version: int, tensors: dict[str, np.ndarray]) -> Manifest:
         """Encode a snapshot as a full or delta version, sign it, hand it to the seeder, announce it."""
-        full = self.previous is None or self.published % self.full_every == 0
+        adapter = self.lora and self.base is not None
+        full = not adapter and (self.previous is None or self.published % self.full_every == 0)
         pv, raw = build_version(
             self.run_id, version, tensors, {n: "bf16" for n, a in tensors.items() if a.dtype == np.uint16},
-            base=None if full else self.previous, chunk_size=self.chunk_size,
+            base=None if full or adapter else self.previous, chunk_size=self.chunk_size,
+            adapter_base=self.base if adapter else None,
         )  # fmt: skip
         host = self.seeder.host
         pv.manifest = pv.manifest.signed(host.key, host.peer_id)
         self.seeder.publish(pv)
+        store = self.seeder.store
         if full:
-            for old in [v for v in self.seeder.store.manifests if v < version]:
-                self.seeder.store.drop(old)
+            for old in [v for v in store.manifests if v < version]:
+                store.drop(old)
+        if adapter:  # a worker mid-fetch may still want the one before
+            for old in sorted(v for v in store.manifests if v != self.base)[:-2]:
+                store.drop(old)
+        elif self.lora:
+            self.base = version
         self.previous = (version, raw)
         self.published += 1
         try:
@@ -83,7 +101,8 @@ class Publisher:
         except Exception as exc:  # noqa: BLE001 - an announcement is a hint; workers also poll
             log.debug("version announcement failed: %s", exc)
         log.info(
-            "published v%d (%s, %.1f MB on the wire, %.1f%% of the raw 16-bit weights)", version, pv.manifest.codec,
+            "published v%d (%s, %.1f MB on the wire, %.1f%% of the raw 16-bit tensors)", version,
+            f"LoRA adapters for v{self.base}" if adapter else pv.manifest.codec,
             pv.manifest.payload_size / 1e6, 100 * pv.manifest.payload_size / pv.manifest.raw_size,
         )  # fmt: skip
         return pv.manifest

@@ -20,6 +20,7 @@ import torch
 
 from learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from learner.config import LearnerConfig
+from learner.lora import add_lora
 from learner.models import Policy, load_policy
 from learner.tasks import Task, make_task
 from learner.trainer import GRPOTrainer, Rollout
@@ -75,14 +76,22 @@ def open_run(cfg: LearnerConfig, resume: bool) -> Run:
     run_dir.mkdir(parents=True, exist_ok=True)
 
     policy = load_policy(cfg.model.model, cfg.model.cache_dir, cfg.run.seed)
+    if cfg.model.lora_rank:
+        add_lora(policy.model, cfg.model.lora_rank, cfg.model.lora_alpha)
+        policy.lora_rank, policy.lora_alpha = cfg.model.lora_rank, cfg.model.lora_alpha
     task = make_task(cfg.task.task, cfg.task.task_args)
     trainer = GRPOTrainer(policy.model, cfg.grpo, cfg.sampler.temperature)
     start_step, wall_offset = 0, 0.0
     if resume:
+        saved = json.loads((checkpoints[-1] / "state.json").read_text())["config"]["model"]
+        if saved["model"] != cfg.model.model:
+            raise ConfigError(f"--model {cfg.model.model!r} differs from the checkpoint's {saved['model']!r}")
+        if saved.get("lora_rank", 0) != cfg.model.lora_rank:
+            raise ConfigError(
+                f"--lora-rank {cfg.model.lora_rank} differs from the checkpoint's {saved.get('lora_rank', 0)}: "
+                "resume with the same rank"
+            )
         state = load_checkpoint(checkpoints[-1], policy.model, trainer.optimizer)
-        saved_model = state["config"]["model"]["model"]
-        if saved_model != cfg.model.model:
-            raise ConfigError(f"--model {cfg.model.model!r} differs from the checkpoint's {saved_model!r}")
         start_step, wall_offset = state["step"], state["wall_s"]
         truncate_metrics(metrics_path, start_step)
         log.info("resumed from %s at step %d", checkpoints[-1], start_step)

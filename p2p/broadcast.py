@@ -241,17 +241,24 @@ class BroadcastPeer(ChunkServer):
         return manifest, versions
 
     def sync(
-        self, held: tuple[int, bytes] | None, timeout: float = 600.0, stop: threading.Event | None = None
+        self,
+        held: tuple[int, bytes] | None,
+        timeout: float = 600.0,
+        stop: threading.Event | None = None,
+        version: int | None = None,
     ) -> tuple[Manifest, bytes] | None:
-        """Bring `held` = (version, raw weights) up to the learner's newest version.
+        """Bring `held` = (version, raw weights) up to the learner's newest weights version (or `version`).
 
-        Returns (manifest, raw) of the newest version, or None if `held` is already the newest. Fetches
-        the newest full snapshot first when `held` is not a base the deltas can start from, then each
-        delta in order; every step is checked by hash. Chunks of superseded versions are dropped.
+        Returns (manifest, raw) of that version, or None if `held` is already it. Fetches the newest
+        full snapshot first when `held` is not a base the deltas can start from, then each delta in
+        order; every step is checked by hash. Chunks of superseded versions are dropped. (A LoRA
+        version is not weights: sync to its adapter_base, then fetch_adapters.)
         """
         from p2p.versions import rebuild_raw
 
-        newest, versions = self._manifest_and_versions(None, timeout=10)
+        newest, versions = self._manifest_and_versions(version, timeout=10)
+        if newest.adapter_base is not None:
+            raise RemoteError(f"version {newest.version} holds LoRA adapters: sync to v{newest.adapter_base} first")
         if held is not None and held[0] == newest.version:
             return None
         if held is not None and held[0] > newest.version:
@@ -268,6 +275,16 @@ class BroadcastPeer(ChunkServer):
             if version < newest.version and version not in {m.version for m in chain}:
                 self.store.drop(version)
         return newest, raw
+
+    def fetch_adapters(self, manifest: Manifest, timeout: float = 600.0, stop: threading.Event | None = None) -> bytes:
+        """The raw adapters of LoRA version `manifest` (already verified); drops older adapter versions."""
+        from p2p.versions import rebuild_raw
+
+        raw = rebuild_raw(manifest, self.fetch(manifest, timeout=timeout, stop=stop))
+        for version in list(self.store.manifests):
+            if manifest.adapter_base < version < manifest.version:
+                self.store.drop(version)
+        return raw
 
     def _fetching(self, peer: str, version: int) -> bool:
         """Whether `peer` takes part in fetching `version`, so that its share of the learner's chunks is

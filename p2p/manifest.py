@@ -33,6 +33,7 @@ class Manifest:
     chunks: list[tuple[str, int]]  # (sha256 hex, size) per chunk of the encoded payload
     raw_size: int  # bytes of the reconstructed weights
     weights_sha256: str  # hash of the reconstructed weights
+    adapter_base: int | None = None  # a LoRA version: adapters only, for the full weights of this version
     signer: str = ""  # the learner's peer id
     signature: bytes = field(default=b"", repr=False)
 
@@ -51,6 +52,7 @@ class Manifest:
             "chunks": [list(c) for c in self.chunks],
             "raw_size": self.raw_size,
             "weights_sha256": self.weights_sha256,
+            "adapter_base": self.adapter_base,
             "signer": self.signer,
         }
 
@@ -85,6 +87,7 @@ class Manifest:
                 chunks=[(str(h), int(s)) for h, s in data["chunks"]],
                 raw_size=int(data["raw_size"]),
                 weights_sha256=str(data["weights_sha256"]),
+                adapter_base=None if data.get("adapter_base") is None else int(data["adapter_base"]),
                 signer=str(data["signer"]),
                 signature=bytes(data["signature"]),
             )
@@ -94,4 +97,8 @@ class Manifest:
             raise ManifestError(f"unknown codec {manifest.codec!r}")
         if (manifest.codec == "xor-zstd") != (manifest.base_version is not None):
             raise ManifestError("a delta names its base version; a full snapshot has none")
+        if manifest.adapter_base is not None and (
+            manifest.codec != "full-zstd" or manifest.adapter_base >= manifest.version
+        ):
+            raise ManifestError("a LoRA version is encoded whole and names an earlier version as its base weights")
         return manifest

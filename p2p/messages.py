@@ -35,6 +35,8 @@ class ModelSpec:
     token_types: list[int] = field(repr=False)
     merges: list[str] = field(repr=False)
     tokenizer_pre: str = "default"
+    lora_rank: int = 0  # > 0: versions after the first carry only LoRA adapters (see learner.lora)
+    lora_alpha: float = 0.0  # an adapter adds (lora_alpha / lora_rank) * B A to its weight
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -42,6 +44,11 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, data: dict) -> ModelSpec:
         return cls(**data)
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a wire tensor name is a LoRA adapter matrix (`<weight>.lora_A.weight` or `.lora_B.weight`)."""
+    return name.endswith((".lora_A.weight", ".lora_B.weight"))
 
 
 @dataclass(frozen=True)

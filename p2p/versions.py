@@ -26,8 +26,10 @@ def build_version(
     dtypes: Mapping[str, str] | None = None,
     base: tuple[int, bytes] | None = None,
     chunk_size: int = DEFAULT_CHUNK,
+    adapter_base: int | None = None,
 ) -> tuple[PolicyVersion, bytes]:
     """Encode `tensors` as a full snapshot, or as a delta against `base` = (base version, base raw bytes).
+    With `adapter_base`, `tensors` are LoRA adapters for the full weights of that version.
 
     Returns the (unsigned) version and the raw bytes, which the caller keeps as the next delta's base.
     """
@@ -44,6 +46,7 @@ def build_version(
         chunks=[(sha256(c), len(c)) for c in chunks],
         raw_size=len(raw),
         weights_sha256=sha256(raw),
+        adapter_base=adapter_base,
     )
     return PolicyVersion(manifest, chunks), raw
 

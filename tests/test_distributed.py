@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -246,3 +247,30 @@ def test_autoscale_switches_off_an_expensive_worker_that_is_not_needed(swarm):
     assert metrics[-1]["workers"][pricey]["groups"] <= groups_then + 1
     assert metrics[-1]["workers"][pricey]["version"] >= metrics[-1]["step"] - 2
     assert len(metrics) == 8
+
+
+def test_lora_run_ships_only_adapters_to_remote_workers(swarm):
+    """`--lora-rank`: one full snapshot, then adapter-only versions that both engines apply."""
+    data = swarm.tmp / "short.jsonl"  # a reward the random tiny model earns half the time: it really trains
+    data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": 40}) + "\n" for i in range(5)))
+    task = ["--task", f"jsonl:{data}", "--task-args", "reward=tests.rewards:starts_ascii"]
+    learner = swarm.learner("--steps", "30", "--lora-rank", "4", "--publish-every", "1", *task)
+    workers = [swarm.worker("w2", "--engine", "transformers")]
+    deadline = time.monotonic() + 120  # the transformers worker starts slowly (torch): let it join first
+    while "now on v" not in swarm.log("w2") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    workers.append(swarm.worker("w1"))
+    assert swarm.wait(learner, 240) == 0, swarm.log("learner")[-3000:]
+    metrics = swarm.metrics()
+    check_accounting(metrics, staleness=2)
+    assert sum(m["trained_tokens"] for m in metrics) > 0
+    assert {w["groups"] > 0 for w in metrics[-1]["workers"].values()} == {True}  # both engines generated
+    log = swarm.log("learner")
+    assert "published v0 (full-zstd" in log and "(LoRA adapters for v0" in log
+    sizes = {int(v): b for m in metrics for v, b in m["version_bytes"].items()}
+    assert max(b for v, b in sizes.items() if v > 0) < 0.2 * sizes[0]  # v0 is in step 1's metrics
+    for w in ("w1", "w2"):
+        assert re.search(r"now on v[1-9]", swarm.log(w)) and "Traceback" not in swarm.log(w)  # an adapter version
+    for w in workers:
+        w.send_signal(signal.SIGTERM)
+    assert [w.wait(60) for w in workers] == [0, 0]

@@ -25,7 +25,7 @@ import numpy as np
 from p2p.broadcast import BroadcastPeer, ChunkStore
 from p2p.codec import CodecError, bf16_to_f32
 from p2p.host import Host, HostConfig, PeerUnavailable, RemoteError, load_identity
-from p2p.manifest import ManifestError
+from p2p.manifest import Manifest, ManifestError
 from p2p.messages import HEARTBEAT, LEASE, ROLLOUT, SPEC, GenerationRequest, ModelSpec, SamplingParams
 from p2p.versions import tensors_of
 from worker.config import WorkerConfig
@@ -45,6 +45,7 @@ class WorkerDaemon:
         self.engine: Any = None
         self.spec: ModelSpec | None = None
         self.held: tuple[int, bytes] | None = None  # (version, raw 16-bit weights as published)
+        self.version = -1  # the policy version the engine runs: held[0], or a LoRA version on that base
         self.run_id: str | None = None
         self.tokens_per_s = 0.0
         self.leases_done = 0
@@ -91,7 +92,7 @@ class WorkerDaemon:
                     self.stop.wait(1.0)
                 except (CodecError, ManifestError) as exc:  # a bad version: start over from a full snapshot
                     log.warning("could not rebuild the policy (%s); fetching it again", exc)
-                    self.held = None
+                    self.held, self.version = None, -1
                     self.stop.wait(1.0)
         finally:
             self.host.stop()
@@ -107,14 +108,16 @@ class WorkerDaemon:
             reply = self._request(SPEC, {})
             self.spec = ModelSpec.from_dict(reply["spec"])
             if reply["run_id"] != self.run_id:  # a new run, or the learner restarted: versions start over
-                self.run_id, self.held = reply["run_id"], None
+                self.run_id, self.held, self.version = reply["run_id"], None, -1
         self.newest = self._request(HEARTBEAT, self._heartbeat())["newest"]
-        if self.held is None or self.newest != self.held[0]:
+        if self.newest != self.version:
             self._update()
-        reply = self._request(LEASE, {"version": self.held[0], "max_groups": self.cfg.max_groups})
+        if self.version < 0:
+            return
+        reply = self._request(LEASE, {"version": self.version, "max_groups": self.cfg.max_groups})
         if "wait" in reply:
             self.newest = reply.get("newest", self.newest)
-            if self.newest != self.held[0]:
+            if self.newest != self.version:
                 self._update()
             elif reply.get("inactive"):
                 self.state = "inactive: the learner has cheaper workers enough; relaying chunks only"
@@ -127,31 +130,46 @@ class WorkerDaemon:
 
     def _heartbeat(self) -> dict:
         return {
-            "version": self.held[0] if self.held else -1,
+            "version": self.version,
             "tokens_per_s": self.tokens_per_s,
             "price": self.cfg.price,
             "hardware": self.hardware,
         }
 
     def _update(self) -> None:
-        """Sync to the newest version through the swarm and swap it into the engine."""
+        """Sync to the newest version through the swarm and swap it into the engine.
+
+        A LoRA version carries only adapters for the full weights of an earlier version (its
+        adapter_base): the worker syncs its weights to that base if it does not hold it, then fetches the
+        adapters and hot-swaps them into the engine, which keeps its loaded base.
+        """
         tick = time.perf_counter()
         self.state = f"fetching v{self.newest}"
-        result = self.peer.sync(self.held, stop=self.stop)
-        if result is None:
-            return
-        manifest, raw = result
-        tensors = {
+        newest = self.peer.fetch_manifest()
+        base = newest.version if newest.adapter_base is None else newest.adapter_base
+        if self.held is None or self.held[0] != base:
+            result = self.peer.sync(self.held, stop=self.stop, version=base)
+            if result is not None:
+                manifest, raw = result
+                self.engine.load_policy(self.spec, self._floats(manifest, raw))
+                self.held = (manifest.version, raw)
+                self.version = manifest.version
+        if newest.adapter_base is not None and newest.version != self.version:
+            raw = self.peer.fetch_adapters(newest, stop=self.stop)
+            self.engine.load_adapters(self.spec, self._floats(newest, raw))
+            self.version = newest.version
+        self._request(HEARTBEAT, self._heartbeat(), timeout=10)  # tell the learner at once
+        log.info("now on v%d (%.1fs to fetch and load)", self.version, time.perf_counter() - tick)
+
+    @staticmethod
+    def _floats(manifest: Manifest, raw: bytes) -> dict[str, np.ndarray]:
+        return {
             name: bf16_to_f32(array) if entry.dtype == "bf16" else np.asarray(array, dtype=np.float32)
             for (name, array), entry in zip(tensors_of(manifest, raw).items(), manifest.tensors, strict=True)
         }
-        self.engine.load_policy(self.spec, tensors)
-        self.held = (manifest.version, raw)
-        self._request(HEARTBEAT, self._heartbeat(), timeout=10)  # tell the learner at once
-        log.info("now on v%d (%.1fs to fetch and load)", manifest.version, time.perf_counter() - tick)
 
     def _work(self, lease: dict) -> None:
-        version = self.held[0]
+        version = self.version
         p = lease["params"]
         params = SamplingParams(float(p["temperature"]), float(p["top_p"]), int(p["max_new_tokens"]), int(p["seed"]))
         requests = [GenerationRequest(list(g["prompt_ids"]), int(lease["group_size"])) for g in lease["groups"]]

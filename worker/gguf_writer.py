@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +21,50 @@ def permute_for_llamacpp(w: np.ndarray, n_heads: int) -> np.ndarray:
     """
     rows = w.shape[0]
     return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@functools.cache
+def _name_map(num_layers: int) -> gguf.TensorNameMap:
+    return gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, num_layers)
+
+
+def llamacpp_name(hf_name: str, spec: ModelSpec) -> str:
+    """The GGUF name of an HF llama weight: model.layers.0.self_attn.q_proj.weight -> blk.0.attn_q.weight."""
+    name = _name_map(spec.num_layers).get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        raise ValueError(f"tensor {hf_name!r} has no llama.cpp name: is this a llama-architecture model?")
+    return name
+
+
+def for_llamacpp(hf_name: str, array: np.ndarray, spec: ModelSpec) -> np.ndarray:
+    """Rows of Q and K projections (and of LoRA B matrices feeding them) in llama.cpp's RoPE layout."""
+    if ".self_attn.q_proj." in hf_name and not hf_name.endswith(".lora_A.weight"):
+        return permute_for_llamacpp(array, spec.num_heads)
+    if ".self_attn.k_proj." in hf_name and not hf_name.endswith(".lora_A.weight"):
+        return permute_for_llamacpp(array, spec.num_kv_heads)
+    return array
+
+
+def write_lora_gguf(path: str | Path, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> Path:
+    """Write LoRA adapters (`<weight>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r], float arrays)
+    as a GGUF LoRA adapter for llama.cpp: matrices in F16, scale alpha / r, written then renamed into place."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch="llama")
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(spec.lora_alpha))
+    for hf_name, array in tensors.items():
+        weight, _, kind = hf_name.rpartition(".lora_")  # kind: "A.weight" or "B.weight"
+        suffix = {"A.weight": ".lora_a", "B.weight": ".lora_b"}[kind]
+        array = for_llamacpp(hf_name, array, spec)
+        writer.add_tensor(llamacpp_name(weight + ".weight", spec) + suffix, np.ascontiguousarray(array, np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, path)
+    return path
 
 
 def write_gguf(path: str | Path, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> Path:
@@ -55,19 +100,12 @@ def write_gguf(path: str | Path, spec: ModelSpec, tensors: Mapping[str, np.ndarr
     writer.add_eos_token_id(spec.eos_ids[0])
     writer.add_add_bos_token(False)
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, spec.num_layers)
     for hf_name, array in tensors.items():
         if hf_name == "lm_head.weight" and spec.tie_embeddings:
             continue
-        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None:
-            raise ValueError(f"tensor {hf_name!r} has no llama.cpp name: is this a llama-architecture model?")
-        if hf_name.endswith("self_attn.q_proj.weight"):
-            array = permute_for_llamacpp(array, spec.num_heads)
-        elif hf_name.endswith("self_attn.k_proj.weight"):
-            array = permute_for_llamacpp(array, spec.num_kv_heads)
+        array = for_llamacpp(hf_name, array, spec)
         dtype = np.float16 if array.ndim == 2 else np.float32
-        writer.add_tensor(gguf_name, np.ascontiguousarray(array, dtype=dtype))
+        writer.add_tensor(llamacpp_name(hf_name, spec), np.ascontiguousarray(array, dtype=dtype))
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

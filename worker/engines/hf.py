@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams
+from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams, is_adapter
 from worker.sampling import sample_next
 
 
@@ -41,15 +41,39 @@ class TransformersEngine:
         self.threads = threads
         self.model: LlamaForCausalLM | None = None
         self.eos_ids: set[int] = set()
+        self.base: dict[str, torch.Tensor] = {}  # the weights as loaded, before LoRA adapters
 
     def load_policy(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None:
+        """Load float weights; LoRA adapters among them (a LoRA run's full snapshot) are merged in."""
         if self.model is None or self.model.config.to_dict() != llama_config(spec).to_dict():
             self.model = LlamaForCausalLM(llama_config(spec)).eval()
-        state = {name: torch.from_numpy(np.asarray(a, dtype=np.float32)) for name, a in tensors.items()}
-        self.model.load_state_dict(state, strict=False)
+        self.base = {
+            name: torch.from_numpy(np.asarray(a, dtype=np.float32))
+            for name, a in tensors.items()
+            if not is_adapter(name)
+        }
+        self.model.load_state_dict(self.base, strict=False)
         if spec.tie_embeddings:
             self.model.tie_weights()
         self.eos_ids = set(spec.eos_ids)
+        adapters = {name: a for name, a in tensors.items() if is_adapter(name)}
+        if adapters:
+            self.load_adapters(spec, adapters)
+
+    @torch.no_grad()
+    def load_adapters(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None:
+        """Merge LoRA adapters into the loaded base: W = W_base + (alpha / r) * B A."""
+        if self.model is None:
+            raise RuntimeError("no policy loaded: call load_policy() first")
+        params = dict(self.model.named_parameters())
+        for name, a in tensors.items():
+            if not name.endswith(".lora_A.weight"):
+                continue
+            stem = name.removesuffix(".lora_A.weight")
+            a_t = torch.from_numpy(np.asarray(a, dtype=np.float32))  # [r, in]
+            b_t = torch.from_numpy(np.asarray(tensors[stem + ".lora_B.weight"], dtype=np.float32))  # [out, r]
+            scale = spec.lora_alpha / a_t.shape[0]
+            params[stem + ".weight"].copy_(self.base[stem + ".weight"] + scale * (b_t @ a_t))
 
     @torch.no_grad()
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]:

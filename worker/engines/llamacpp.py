@@ -16,8 +16,8 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams
-from worker.gguf_writer import write_gguf
+from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams, is_adapter
+from worker.gguf_writer import write_gguf, write_lora_gguf
 from worker.sampling import sample_next
 
 log = logging.getLogger(__name__)
@@ -58,13 +58,40 @@ class LlamaCppEngine:
         self.n_ctx = 0
         self.n_vocab = 0
         self.eos_ids: set[int] = set()
+        self.adapter: llama_cpp.llama_adapter_lora_p | None = None  # LoRA adapters on the model, if any
 
     # -- weights --------------------------------------------------------------------------------
 
     def load_policy(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None:
-        """Convert float weights to an F16 GGUF in the work dir and load it."""
-        path = write_gguf(self.work_dir / "policy.gguf", spec, tensors)
-        self.load_gguf(path, spec.eos_ids)
+        """Convert float weights to an F16 GGUF in the work dir and load it; LoRA adapters among the
+        tensors (a LoRA run's full snapshot) go on top with load_adapters."""
+        base = {name: a for name, a in tensors.items() if not is_adapter(name)}
+        self.load_gguf(write_gguf(self.work_dir / "policy.gguf", spec, base), spec.eos_ids)
+        adapters = {name: a for name, a in tensors.items() if is_adapter(name)}
+        if adapters:
+            self.load_adapters(spec, adapters)
+
+    def load_adapters(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None:
+        """Hot-swap LoRA adapters onto the loaded model: written as a GGUF adapter and set on the live
+        context (no model reload); the KV cache is cleared, as it holds states of the old adapters."""
+        if self.model is None:
+            raise RuntimeError("no policy loaded: call load_policy() first")
+        path = write_lora_gguf(self.work_dir / "adapters.gguf", spec, tensors)
+        adapter = llama_cpp.llama_adapter_lora_init(self.model, str(path).encode())
+        if not adapter:
+            raise RuntimeError(f"llama.cpp could not load the LoRA adapter {path}")
+        old, self.adapter = self.adapter, adapter
+        if self.ctx is not None:
+            self._set_adapter()
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
+        if old is not None:
+            llama_cpp.llama_adapter_lora_free(old)
+
+    def _set_adapter(self) -> None:
+        adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(self.adapter)
+        scales = (ctypes.c_float * 1)(1.0)  # llama.cpp multiplies by the file's alpha / rank itself
+        if llama_cpp.llama_set_adapters_lora(self.ctx, adapters, 1, scales) != 0:
+            raise RuntimeError("llama.cpp refused to set the LoRA adapter on its context")
 
     def load_gguf(self, path: str | Path, eos_ids: Sequence[int]) -> None:
         self.close()
@@ -79,6 +106,9 @@ class LlamaCppEngine:
 
     def close(self) -> None:
         self._free_context()
+        if self.adapter is not None:
+            llama_cpp.llama_adapter_lora_free(self.adapter)
+            self.adapter = None
         if self.model is not None:
             llama_cpp.llama_model_free(self.model)
             self.model = None
@@ -111,6 +141,8 @@ class LlamaCppEngine:
         if not ctx:
             raise RuntimeError(f"llama.cpp could not create a context of {n_ctx} tokens")
         self.ctx, self.n_ctx = ctx, n_ctx
+        if self.adapter is not None:
+            self._set_adapter()
 
     # -- generation -----------------------------------------------------------------------------
 
