@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -82,6 +83,8 @@ def learner_start(
     setup_logging(verbose)
     try:
         cfg = load_config(LearnerConfig, config, overrides)
+        if colocated and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("--colocated runs in one process: start it without torchrun")
         if colocated:
             from learner.colocated import train_colocated
             from worker.engines import make_engine

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file
+
+from learner.parallel import World, full_optimizer_state, full_state, load_optimizer_state
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -35,15 +37,30 @@ class CheckpointError(Exception):
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], keep: int
-) -> Path:
+    run_dir: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    keep: int,
+    world: World = World(),
+) -> Path | None:
+    """Write a checkpoint; with several ranks every rank calls it (the weights and optimizer state are
+    gathered to rank 0, which writes; the others return None). Optimizer state is keyed by parameter
+    name, so a checkpoint resumes on any number of ranks."""
+    weights = full_state(model, world)
+    optimizer_state = full_optimizer_state(model, optimizer, world)
+    if not world.leader:
+        return None
+    if getattr(model.config, "tie_word_embeddings", False):
+        weights.pop("lm_head.weight", None)  # the embeddings' tensor; load_weights ties it again
     final = checkpoint_dir(run_dir) / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        save_model(model, str(tmp / "model.safetensors"))
-        torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
+        save_file({name: t.contiguous() for name, t in weights.items()}, str(tmp / "model.safetensors"))
+        torch.save({"optimizer": optimizer_state, "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
         (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
     except (OSError, RuntimeError) as exc:  # torch reports a full disk as a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
@@ -60,10 +77,25 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restore weights, optimizer and RNG state in place; return state.json."""
+def load_weights(path: Path, model: torch.nn.Module) -> dict[str, Any]:
+    """Restore the weights into an unsharded model (before learner.parallel.shard); return state.json."""
     load_model(model, str(path / "model.safetensors"))
-    trainer = torch.load(path / "trainer.pt", weights_only=True)
-    optimizer.load_state_dict(trainer["optimizer"])
-    torch.set_rng_state(trainer["torch_rng"])
     return json.loads((path / "state.json").read_text())
+
+
+def load_trainer_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Restore optimizer (each rank keeps its shard) and RNG state."""
+    trainer = torch.load(path / "trainer.pt", weights_only=True)
+    saved = trainer["optimizer"]
+    if all(isinstance(k, int) for k in saved["state"]):  # written before checkpoints keyed state by name
+        optimizer.load_state_dict(saved)
+    else:
+        load_optimizer_state(model, optimizer, saved)
+    torch.set_rng_state(trainer["torch_rng"])
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Restore weights, optimizer and RNG state of a one-process run in place; return state.json."""
+    state = load_weights(path, model)
+    load_trainer_state(path, model, optimizer)
+    return state

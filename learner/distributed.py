@@ -24,8 +24,9 @@ import multiaddr
 
 from learner.config import LearnerConfig
 from learner.models import model_spec
+from learner.parallel import full_state, init_world
 from learner.publisher import Publisher
-from learner.run import batch_metrics, open_run
+from learner.run import Run, batch_metrics, open_run
 from learner.service import LearnerService
 from p2p.broadcast import ChunkStore, Seeder
 from p2p.host import Host, HostConfig, load_identity
@@ -47,8 +48,14 @@ def listen_addr(cfg: LearnerConfig, run_dir: Path) -> str:
 
 
 def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict]:
-    """Run (or resume) a swarm GRPO run; yields each step's metrics after it is written."""
-    run = open_run(cfg, resume)
+    """Run (or resume) a swarm GRPO run; yields each step's metrics after it is written.
+
+    Under torchrun, rank 0 runs this loop and the other ranks `follow` it (learner.parallel)."""
+    world = init_world()
+    run = open_run(cfg, resume, world)
+    if not world.leader:
+        follow(run)
+        return
     policy, trainer, grpo = run.policy, run.trainer, cfg.grpo
     host = Host(load_identity(run.run_dir / "learner.key"), HostConfig(listen=[listen_addr(cfg, run.run_dir)]))
     host.start()
@@ -72,7 +79,10 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
         def publish(version: int, tensors: dict) -> None:
             service.mark_published(version, publisher.publish(version, tensors).payload_size)
 
-        publish(version, publisher.snapshot(policy.model))
+        def snapshot() -> dict:  # with several ranks, every rank takes part in gathering the weights
+            return publisher.snapshot(policy.model, full_state(policy.model, world))
+
+        publish(version, snapshot())
         publishing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")  # encodes while we train
         pending: Future | None = None
 
@@ -94,7 +104,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
             #    from now on are measured against it (in pull mode: none until it is published)
             version = step
             service.version = version
-            stats = trainer.step([r for g in batch for r in g.rollouts])
+            stats = trainer.step(world.broadcast([r for g in batch for r in g.rollouts]))
             seconds["train"], tick = time.perf_counter() - tick, time.perf_counter()
 
             # 3. publish every kappa steps: snapshot the weights here (the next step changes them), encode,
@@ -103,7 +113,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                 if pending is not None:
                     pending.result()  # also raises if it failed
                 service.publishing = version
-                pending = publishing.submit(publish, version, publisher.snapshot(policy.model))
+                pending = publishing.submit(publish, version, snapshot())
                 seconds["publish"] = time.perf_counter() - tick
             step_s = sum(seconds.values())
 
@@ -141,3 +151,15 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
         publishing.shutdown()
     finally:
         host.stop()
+
+
+def follow(run: Run) -> None:
+    """Ranks > 0: train on the batches rank 0 broadcasts and join its collective calls, in its order
+    (the first publication, then per step: batch, optimizer step, publication, checkpoint)."""
+    cfg, world, model = run.cfg, run.world, run.policy.model
+    full_state(model, world)
+    for step in range(run.start_step + 1, cfg.run.steps + 1):
+        run.trainer.step(world.broadcast(None))
+        if step % cfg.swarm.publish_every == 0:
+            full_state(model, world)
+        run.record(step, None)

@@ -25,10 +25,13 @@ def add_lora(model: torch.nn.Module, rank: int, alpha: float) -> None:
     inject_adapter_in_model(config, model)
 
 
-def wire_state(model: torch.nn.Module, adapter_only: bool = False) -> dict[str, torch.Tensor]:
-    """The model's tensors under their wire names (see the module docstring); the tied lm_head once."""
+def wire_state(
+    model: torch.nn.Module, adapter_only: bool = False, state: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """The model's tensors (or `state`, its gathered state dict when sharded) under their wire names
+    (see the module docstring); the tied lm_head once."""
     out = {}
-    for name, t in model.state_dict().items():
+    for name, t in (model.state_dict() if state is None else state).items():
         if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
             continue
         name = name.replace(".base_layer.", ".").replace(".lora_A.default.", ".lora_A.")

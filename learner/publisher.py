@@ -54,15 +54,16 @@ class Publisher:
         self.published = 0
         self.previous: tuple[int, bytes] | None = None  # (version, raw bf16 bytes) of the last publication
 
-    def snapshot(self, model: torch.nn.Module) -> dict[str, np.ndarray]:
+    def snapshot(self, model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, np.ndarray]:
         """The model's weights in the wire format: a copy, so training may go on while it is published.
 
         Matrices go as bf16 bit patterns (uint16) or f16; vectors (norms, a few KB) as float32, as the
         worker's GGUF keeps them. torch rounds to nearest even like numpy, 10x faster on the learner's
-        thread (0.03-0.08 s against 0.5-0.7 s for SmolLM2's f16).
+        thread (0.03-0.08 s against 0.5-0.7 s for SmolLM2's f16). `state`: the gathered weights of a
+        sharded model (learner.parallel.full_state).
         """
         tensors = {}
-        for name, t in wire_state(model, adapter_only=self.lora and self.base is not None).items():
+        for name, t in wire_state(model, self.lora and self.base is not None, state).items():
             if t.ndim < 2:
                 tensors[name] = t.float().numpy()
             elif self.dtype == "bf16":

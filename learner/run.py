@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from learner.checkpoint import list_checkpoints, load_trainer_state, load_weights, save_checkpoint
 from learner.config import LearnerConfig
 from learner.lora import add_lora
 from learner.models import Policy, load_policy
+from learner.parallel import World, shard
 from learner.tasks import Task, make_task
 from learner.trainer import GRPOTrainer, Rollout
 from p2p.config import ConfigError
@@ -41,30 +42,36 @@ class Run:
     start_step: int
     wall_offset: float  # seconds of wall time before this process (resumed runs)
     tensorboard: Any = None  # a SummaryWriter when run.tensorboard is on
+    world: World = World()  # several training ranks: rank 0 writes metrics and checkpoints
 
     @property
     def metrics_path(self) -> Path:
         return self.run_dir / "metrics.jsonl"
 
-    def record(self, step: int, record: dict) -> None:
-        """Append a step's metrics, then checkpoint if it is time."""
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+    def record(self, step: int, record: dict | None) -> None:
+        """Append a step's metrics (rank 0's `record`), then checkpoint if it is time (every rank calls
+        this: the checkpoint gathers the sharded state)."""
+        if self.world.leader:
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
         if self.tensorboard is not None:
             for name, value in scalar_metrics(record).items():
                 self.tensorboard.add_scalar(name, value, step)
             self.tensorboard.flush()
         if step % self.cfg.run.checkpoint_every == 0 or step == self.cfg.run.steps:
             tick = time.perf_counter()
-            state = {"wall_s": record["wall_s"], "config": dataclasses.asdict(self.cfg)}
+            state = {"wall_s": record["wall_s"] if record else 0.0, "config": dataclasses.asdict(self.cfg)}
             path = save_checkpoint(
-                self.run_dir, step, self.policy.model, self.trainer.optimizer, state, self.cfg.run.keep_checkpoints
-            )
-            log.info("checkpoint %s written in %.1fs", path, time.perf_counter() - tick)
+                self.run_dir, step, self.policy.model, self.trainer.optimizer, state,
+                self.cfg.run.keep_checkpoints, self.world,
+            )  # fmt: skip
+            if path is not None:
+                log.info("checkpoint %s written in %.1fs", path, time.perf_counter() - tick)
 
 
-def open_run(cfg: LearnerConfig, resume: bool) -> Run:
-    """Load the policy and task; on --resume restore the newest checkpoint. Never overwrites a run."""
+def open_run(cfg: LearnerConfig, resume: bool, world: World = World()) -> Run:
+    """Load the policy and task; on --resume restore the newest checkpoint. Never overwrites a run.
+    With several ranks the model is sharded (learner.parallel) after its weights are loaded."""
     torch.set_flush_denormal(True)
     run_dir = Path(cfg.run.run_dir)
     metrics_path = run_dir / "metrics.jsonl"
@@ -80,7 +87,6 @@ def open_run(cfg: LearnerConfig, resume: bool) -> Run:
         add_lora(policy.model, cfg.model.lora_rank, cfg.model.lora_alpha)
         policy.lora_rank, policy.lora_alpha = cfg.model.lora_rank, cfg.model.lora_alpha
     task = make_task(cfg.task.task, cfg.task.task_args)
-    trainer = GRPOTrainer(policy.model, cfg.grpo, cfg.sampler.temperature)
     start_step, wall_offset = 0, 0.0
     if resume:
         saved = json.loads((checkpoints[-1] / "state.json").read_text())["config"]["model"]
@@ -91,12 +97,22 @@ def open_run(cfg: LearnerConfig, resume: bool) -> Run:
                 f"--lora-rank {cfg.model.lora_rank} differs from the checkpoint's {saved.get('lora_rank', 0)}: "
                 "resume with the same rank"
             )
-        state = load_checkpoint(checkpoints[-1], policy.model, trainer.optimizer)
+        state = load_weights(checkpoints[-1], policy.model)
         start_step, wall_offset = state["step"], state["wall_s"]
-        truncate_metrics(metrics_path, start_step)
+    if world.size > 1 and cfg.grpo.beta > 0:
+        raise ConfigError("grpo.beta > 0 (a reference model) is not supported with several ranks yet: use beta = 0")
+    shard(policy.model, world)
+    trainer = GRPOTrainer(policy.model, cfg.grpo, cfg.sampler.temperature, world)
+    if resume:
+        load_trainer_state(checkpoints[-1], policy.model, trainer.optimizer)
+        if world.leader:
+            truncate_metrics(metrics_path, start_step)
         log.info("resumed from %s at step %d", checkpoints[-1], start_step)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-    return Run(cfg, run_dir, policy, task, trainer, start_step, wall_offset, open_tensorboard(cfg, run_dir))
+    tensorboard = None
+    if world.leader:
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+        tensorboard = open_tensorboard(cfg, run_dir)
+    return Run(cfg, run_dir, policy, task, trainer, start_step, wall_offset, tensorboard, world)
 
 
 def open_tensorboard(cfg: LearnerConfig, run_dir: Path) -> Any:

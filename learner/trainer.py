@@ -9,6 +9,7 @@ import torch
 
 from learner.config import GRPOConfig
 from learner.grpo import policy_loss
+from learner.parallel import World
 
 
 @dataclass
@@ -30,10 +31,11 @@ class GRPOTrainer:
     the loss of learner.grpo.policy_loss, and takes one clipped optimizer step.
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: GRPOConfig, temperature: float) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: GRPOConfig, temperature: float, world: World = World()) -> None:
         self.model = model
         self.cfg = cfg
         self.temperature = temperature
+        self.world = world  # several ranks: `model` is sharded (learner.parallel) and each trains on its share
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=cfg.lr,
@@ -54,15 +56,23 @@ class GRPOTrainer:
         if not rollouts:
             return {**sums, "grad_norm": 0.0, "trained_tokens": 0}
 
-        total_tokens = sum(len(r.completion_ids) for r in rollouts)
+        total_tokens = sum(len(r.completion_ids) for r in rollouts)  # of the whole batch, over all ranks
+        n_rollouts = len(rollouts)
+        world = self.world
+        batches = micro_batches(rollouts[world.rank :: world.size], cfg.micro_batch_tokens)
+        # FSDP gathers each layer's weights in every pass, so all ranks must make as many passes
+        batches += [[]] * (world.max(len(batches)) - len(batches))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        for batch in micro_batches(rollouts, cfg.micro_batch_tokens):
+        for batch in batches:
+            if not batch:  # this rank's share is done: a pass that adds nothing to the gradient
+                (completion_logprobs(self.model, [PADDING], self.temperature).sum() * 0.0).backward()
+                continue
             lengths = torch.tensor([len(r.completion_ids) for r in batch])  # [B]
             if cfg.loss_norm == "token":
                 weights = torch.full((int(lengths.sum()),), 1.0 / total_tokens)  # [N]
             else:
-                weights = torch.repeat_interleave(1.0 / (lengths * len(rollouts)), lengths)  # [N]
+                weights = torch.repeat_interleave(1.0 / (lengths * n_rollouts), lengths)  # [N]
             logp = completion_logprobs(self.model, batch, self.temperature)  # [N]
             logp_ref = None
             if self.reference is not None:
@@ -74,16 +84,20 @@ class GRPOTrainer:
                 logp, behaviour, advantages, weights,
                 cfg.eps_low, cfg.eps_high, cfg.ratio_cap, logp_ref, cfg.beta, cfg.objective == "decoupled",
             )  # fmt: skip
-            loss.backward()
+            (loss * world.size).backward()  # FSDP averages gradients over ranks; the weights are global
             share = float(lengths.sum()) / total_tokens
             sums["loss"] += loss.item()
             for key in ("clip_frac", "kl_behaviour", "ratio_mean"):
                 sums[key] += stats[key] * share
             sums["kl_ref"] += stats.get("kl_ref", 0.0)
+        sums = dict(zip(sums, world.sum(list(sums.values())), strict=True))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {**sums, "grad_norm": float(grad_norm), "trained_tokens": total_tokens}
+
+
+PADDING = Rollout([0], [0], [0.0], 0.0)  # the smallest sequence a forward pass accepts
 
 
 def micro_batches(rollouts: list[Rollout], max_tokens: int) -> list[list[Rollout]]:
@@ -120,7 +134,9 @@ def completion_logprobs(model: torch.nn.Module, batch: list[Rollout], temperatur
         rows += [b] * len(r.completion_ids)
         cols += range(start, start + len(r.completion_ids))
     rows_t, cols_t = torch.tensor(rows), torch.tensor(cols)  # [N], [N]
-    hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, T, H]
+    # through the model's own forward (FSDP gathers weights in its hooks), the output layer on one position
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1)
+    hidden = out.hidden_states[-1]  # [B, T, H] after the final norm
     logits = model.lm_head(hidden[rows_t, cols_t]).float() / temperature  # [N, V]
     targets = ids[rows_t, cols_t + 1]  # [N]
     return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)  # [N]

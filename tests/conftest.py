@@ -22,3 +22,13 @@ def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None) -> subpro
         [sys.executable, "-m", "echo_cli", *args],
         capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT, env=env,
     )  # fmt: skip
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    """Learner and worker processes of one test (tests/swarm.py), killed at its end."""
+    from tests.swarm import Swarm
+
+    s = Swarm(tmp_path)
+    yield s
+    s.close()

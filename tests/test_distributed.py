@@ -1,7 +1,6 @@
 """A learner and workers as real processes on 127.0.0.1, training the tiny model."""
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -16,66 +15,6 @@ from tests.test_report import check_pngs
 
 PLOTS = ["reward.png", "utilisation.png", "staleness.png", "version_lag.png", "broadcast.png"]
 ROOT = Path(__file__).resolve().parent.parent
-
-
-class Swarm:
-    """Starts `echo-rl` processes and always cleans them up."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.tmp = tmp_path
-        self.procs: list[subprocess.Popen] = []
-        self.run_dir = tmp_path / "run"
-
-    def spawn(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-        env = {**os.environ, "COLUMNS": "200"}
-        proc = subprocess.Popen([sys.executable, "-m", "echo_cli", *args], stdout=log, stderr=log, cwd=ROOT, env=env)
-        self.procs.append(proc)
-        return proc
-
-    def learner(self, *args: str) -> subprocess.Popen:
-        base = ["learner", "start", "--model", "tiny", "--run-dir", str(self.run_dir), "--prompts-per-step", "2"]
-        base += ["--group-size", "4", "--max-new-tokens", "16", "--checkpoint-every", "1000"]
-        proc = self.spawn("learner", *base, *args)
-        addr_file = self.run_dir / "learner.addr"
-        deadline = time.monotonic() + 120
-        while not addr_file.exists() or not addr_file.read_text().strip():
-            assert proc.poll() is None, self.log("learner")
-            assert time.monotonic() < deadline, "learner did not start"
-            time.sleep(0.2)
-        self.addr = addr_file.read_text().strip()
-        return proc
-
-    def worker(self, name: str, *args: str) -> subprocess.Popen:
-        return self.spawn(
-            name, "worker", "join", "--learner", self.addr, "--identity", str(self.tmp / f"{name}.key"),
-            "--work-dir", str(self.tmp / name), *args,
-        )  # fmt: skip
-
-    def log(self, name: str) -> str:
-        return (self.tmp / f"{name}.log").read_text()
-
-    def wait(self, proc: subprocess.Popen, timeout: float) -> int:
-        try:
-            return proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"timed out; learner log:\n{self.log('learner')[-3000:]}")
-
-    def metrics(self) -> list[dict]:
-        return [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(10)
-
-
-@pytest.fixture
-def swarm(tmp_path):
-    s = Swarm(tmp_path)
-    yield s
-    s.close()
 
 
 def check_accounting(metrics: list[dict], staleness: int) -> None:

@@ -59,12 +59,7 @@ def write_lora_gguf(path: str | Path, spec: ModelSpec, tensors: Mapping[str, np.
         suffix = {"A.weight": ".lora_a", "B.weight": ".lora_b"}[kind]
         array = for_llamacpp(hf_name, array, spec)
         writer.add_tensor(llamacpp_name(weight + ".weight", spec) + suffix, np.ascontiguousarray(array, np.float16))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, path)
-    return path
+    return _finish(writer, tmp, path)
 
 
 def write_gguf(path: str | Path, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> Path:
@@ -106,7 +101,11 @@ def write_gguf(path: str | Path, spec: ModelSpec, tensors: Mapping[str, np.ndarr
         array = for_llamacpp(hf_name, array, spec)
         dtype = np.float16 if array.ndim == 2 else np.float32
         writer.add_tensor(llamacpp_name(hf_name, spec), np.ascontiguousarray(array, dtype=dtype))
+    return _finish(writer, tmp, path)
 
+
+def _finish(writer: gguf.GGUFWriter, tmp: Path, path: Path) -> Path:
+    """Write the file out next to `path`, then rename it into place: a reader never sees half a file."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

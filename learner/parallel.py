@@ -1,0 +1,105 @@
+"""Data-parallel training over several processes (GPUs or nodes) with torch.distributed and FSDP2.
+
+    torchrun --nproc-per-node N -m echo_cli learner start ...          # one node, N ranks
+    torchrun --nnodes M --node-rank K --master-addr HOST ... -m echo_cli learner start ...
+
+Every rank holds a shard of the weights, gradients and optimizer state (FSDP2 `fully_shard` on each
+decoder layer, then on the whole model). Rank 0 alone runs the swarm side (host, leases, replay
+buffer, publisher, metrics, checkpoints) and broadcasts each step's batch; rank r trains on rollouts
+r, r + N, r + 2N, ... Every rank weights its tokens by the batch's global normalisation and scales its
+loss by N, so the gradients FSDP averages over ranks equal those of one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the training ranks (rank 0 of 1 without torchrun)."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (pickled; a batch of rollouts is a few MB at most)."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def max(self, value: int) -> int:
+        """The largest `value` over all ranks."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sums over all ranks."""
+        if self.size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.tolist()
+
+
+def init_world() -> World:
+    """Join the process group when started by torchrun (WORLD_SIZE > 1); nccl on GPUs, gloo on CPUs."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return World()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return World(dist.get_rank(), dist.get_world_size())
+
+
+def shard(model: torch.nn.Module, world: World) -> None:
+    """FSDP2: shard every decoder layer, then the rest (embeddings, final norm, output layer)."""
+    if world.size == 1:
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def full_state(model: torch.nn.Module, world: World) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on rank 0 (on the CPU); {} on the other ranks. Collective: every
+    rank calls it at the same point."""
+    if world.size == 1:
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World) -> dict:
+    """The optimizer's whole state on rank 0, keyed by parameter name (any rank count can load it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=world.size > 1)
+    )
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Restore a state saved by full_optimizer_state on every rank (each keeps its shard)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,33 @@
+"""A few GRPO steps on fixed rollouts, run by tests/test_parallel.py plainly and under torchrun.
+
+    python tests/dp_steps.py OUT.pt                              # one process
+    torchrun --nproc-per-node 2 tests/dp_steps.py OUT.pt         # two ranks, FSDP2 on gloo
+"""
+
+import sys
+
+import torch
+
+from learner.config import GRPOConfig
+from learner.models import tiny_policy
+from learner.parallel import full_state, init_world, shard
+from learner.trainer import GRPOTrainer
+from tests.test_trainer import make_rollouts
+
+
+def main(out: str) -> None:
+    world = init_world()
+    torch.manual_seed(0)
+    policy = tiny_policy(0)
+    rollouts = make_rollouts(policy, n=7)  # before sharding: afterwards a forward pass needs every rank
+    shard(policy.model, world)
+    # 64 tokens per micro-batch: the ranks' shares (4 and 3 rollouts) need different numbers of passes
+    trainer = GRPOTrainer(policy.model, GRPOConfig(lr=1e-3, micro_batch_tokens=64), temperature=1.0, world=world)
+    stats = [trainer.step(rollouts) for _ in range(3)]
+    state = full_state(policy.model, world)
+    if world.leader:
+        torch.save({"state": state, "stats": stats}, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
