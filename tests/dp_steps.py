@@ -1,7 +1,7 @@
 """A few GRPO steps on fixed rollouts, run by tests/test_parallel.py plainly and under torchrun.
 
-    python tests/dp_steps.py OUT.pt                              # one process
-    torchrun --nproc-per-node 2 tests/dp_steps.py OUT.pt         # two ranks, FSDP2 on gloo
+python tests/dp_steps.py OUT.pt                              # one process
+torchrun --nproc-per-node 2 tests/dp_steps.py OUT.pt         # two ranks, FSDP2 on gloo
 """
 
 import sys
