@@ -96,7 +96,7 @@ def test_live_worker_view():
     from worker.daemon import WorkerDaemon
 
     daemon = WorkerDaemon(WorkerConfig(learner="/ip4/127.0.0.1/tcp/1/p2p/12D3KooWx"))  # not started: no host yet
-    daemon.held, daemon.newest, daemon.state = (3, b""), 4, "fetching v4"
+    daemon.held, daemon.version, daemon.newest, daemon.state = (3, b""), 3, 4, "fetching v4"
     daemon.tokens_per_s, daemon.leases_done = 88.0, 12
     console = Console(file=io.StringIO(), force_terminal=True, width=100)
     console.print(worker_table(daemon))
