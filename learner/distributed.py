@@ -24,7 +24,7 @@ import multiaddr
 
 from learner.config import LearnerConfig
 from learner.models import model_spec
-from learner.parallel import full_state, init_world
+from learner.parallel import full_state, init_world, leave
 from learner.publisher import Publisher
 from learner.run import Run, batch_metrics, open_run
 from learner.service import LearnerService
@@ -55,6 +55,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
     run = open_run(cfg, resume, world)
     if not world.leader:
         follow(run)
+        leave(world)
         return
     policy, trainer, grpo = run.policy, run.trainer, cfg.grpo
     host = Host(load_identity(run.run_dir / "learner.key"), HostConfig(listen=[listen_addr(cfg, run.run_dir)]))
@@ -149,6 +150,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
         if pending is not None:
             pending.result()  # the last version reaches the seeder before we stop serving
         publishing.shutdown()
+        leave(world)
     finally:
         host.stop()
 

@@ -56,6 +56,13 @@ class World:
         return t.tolist()
 
 
+def leave(world: World) -> None:
+    """Leave the process group after the last step (a rank that exits without it aborts in gloo's threads)."""
+    if world.size > 1 and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def init_world() -> World:
     """Join the process group when started by torchrun (WORLD_SIZE > 1); nccl on GPUs, gloo on CPUs."""
     size = int(os.environ.get("WORLD_SIZE", "1"))

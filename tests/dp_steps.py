@@ -10,7 +10,7 @@ import torch
 
 from learner.config import GRPOConfig
 from learner.models import tiny_policy
-from learner.parallel import full_state, init_world, shard
+from learner.parallel import full_state, init_world, leave, shard
 from learner.trainer import GRPOTrainer
 from tests.test_trainer import make_rollouts
 
@@ -27,6 +27,7 @@ def main(out: str) -> None:
     state = full_state(policy.model, world)
     if world.leader:
         torch.save({"state": state, "stats": stats}, out)
+    leave(world)
 
 
 if __name__ == "__main__":
