@@ -99,6 +99,14 @@ def learner_start(
         show_learner(steps, cfg.run.steps, console)
     except user_errors() as exc:
         raise fail(str(exc)) from None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun ranks: the run is complete (checkpoint written, process group left), but a rank's
+        # static destructors sometimes abort in a torch.distributed thread ("terminate called without
+        # an active exception"), which torchrun reports as a failed run; skip them
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 @worker_app.command("join")

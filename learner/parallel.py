@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -69,7 +70,9 @@ def init_world() -> World:
     if size == 1:
         return World()
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # ranks > 0 wait in a broadcast while rank 0 waits for workers' rollouts, which may take hours
+        # (no worker online yet): the default 30-minute collective timeout would kill the run
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(days=7))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return World(dist.get_rank(), dist.get_world_size())

@@ -109,6 +109,8 @@ class WorkerDaemon:
             self.spec = ModelSpec.from_dict(reply["spec"])
             if reply["run_id"] != self.run_id:  # a new run, or the learner restarted: versions start over
                 self.run_id, self.held, self.version = reply["run_id"], None, -1
+                for version in list(self.peer.store.manifests):  # the old run's v6 is not the new run's v6:
+                    self.peer.store.drop(version)  # never serve its chunks to peers under the same number
         self.newest = self._request(HEARTBEAT, self._heartbeat())["newest"]
         if self.newest != self.version:
             self._update()
