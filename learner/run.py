@@ -23,6 +23,7 @@ from learner.config import LearnerConfig
 from learner.lora import add_lora
 from learner.models import Policy, load_policy
 from learner.parallel import World, shard
+from learner.replay import has_signal
 from learner.tasks import Task, make_task
 from learner.trainer import GRPOTrainer, Rollout
 from p2p.config import ConfigError
@@ -171,7 +172,7 @@ def batch_metrics(groups: list[list[Rollout]], stats: dict) -> dict:
         "trained_tokens": stats["trained_tokens"],
         "completion_len_mean": tokens / len(rollouts),
         "groups": len(groups),
-        "equal_reward_groups": sum(len({r.reward for r in g}) == 1 for g in groups),
+        "equal_reward_groups": sum(not has_signal(g) for g in groups),
         # how good each policy version that generated this batch is: (mean reward, rollouts)
         "reward_by_version": {str(v): [float(np.mean(rs)), len(rs)] for v, rs in sorted(by_version.items())},
     }

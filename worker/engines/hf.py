@@ -47,12 +47,13 @@ class TransformersEngine:
         """Load float weights; LoRA adapters among them (a LoRA run's full snapshot) are merged in."""
         if self.model is None or self.model.config.to_dict() != llama_config(spec).to_dict():
             self.model = LlamaForCausalLM(llama_config(spec)).eval()
-        self.base = {
+        base = {
             name: torch.from_numpy(np.asarray(a, dtype=np.float32))
             for name, a in tensors.items()
             if not is_adapter(name)
         }
-        self.model.load_state_dict(self.base, strict=False)
+        self.model.load_state_dict(base, strict=False)
+        self.base = base if spec.lora_rank else {}  # kept only where adapters will be merged onto it
         if spec.tie_embeddings:
             self.model.tie_weights()
         self.eos_ids = set(spec.eos_ids)
