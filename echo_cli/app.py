@@ -124,7 +124,10 @@ def worker_join(
         raise fail(str(exc)) from None
     from worker.daemon import WorkerDaemon
 
-    daemon = WorkerDaemon(cfg)
+    try:
+        daemon = WorkerDaemon(cfg)
+    except user_errors() as exc:
+        raise fail(str(exc)) from None
     daemon.install_signal_handlers()
     show_worker(daemon, console)
 
@@ -246,6 +249,30 @@ def main() -> None:
     except KeyboardInterrupt:
         console.print("interrupted")
         sys.exit(130)
+
+
+@bench_app.command("verify")
+def bench_verify(
+    model: str = typer.Option("smollm2-135m", "--model", help="smollm2-135m, tiny, or a local model."),
+    prompts: int = typer.Option(16, "--prompts", help="Prompt groups."),
+    group_size: int = typer.Option(8, "--group-size", help="Completions per prompt."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Token budget per completion."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
+    wire_dtype: str = typer.Option("f16", "--wire-dtype", help="f16 or bf16 published weights."),
+    threads: int = typer.Option(2, "--threads", help="CPU threads."),
+    cache_dir: str = typer.Option("~/.cache/echo-rl", "--cache-dir", help="Model cache."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Calibrate rollout verification: honest llama.cpp logprob noise against forged logprobs."""
+    setup_logging()
+    from echo_cli.bench import run_verify_bench
+
+    if wire_dtype not in ("f16", "bf16") or not 0 < top_p <= 1:
+        raise fail("--wire-dtype must be f16 or bf16 and --top-p in (0, 1]")
+    try:
+        run_verify_bench(model, prompts, group_size, max_new_tokens, top_p, wire_dtype, threads, cache_dir, json_out)
+    except user_errors() as exc:
+        raise fail(str(exc)) from None
 
 
 @bench_app.command("broadcast")

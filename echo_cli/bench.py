@@ -178,3 +178,93 @@ def _codec_row(lr: float | None, payload: str, pv, raw_size: int, encode_s: floa
         "encode_s": round(encode_s, 3),
         "decode_s": round(decode_s, 3),
     }
+
+
+def run_verify_bench(
+    model: str, prompts: int, group_size: int, max_new_tokens: int, top_p: float, wire_dtype: str, threads: int,
+    cache_dir: str, json_out: bool,
+) -> dict:  # fmt: skip
+    """Calibrate rollout verification: how far honest llama.cpp logprobs are from the learner's
+    recomputation (learner.verify.divergence per group), and how far forged ones land.
+
+    Honest: the llama.cpp engine samples from the published 16-bit weights (F16 GGUF, as a worker does).
+    Forged, from the same honest groups: every logprob set to 0 (claims certainty: inflates ratios),
+    halved, shuffled within each completion, and jittered by Gaussian noise of 0.1 nats; and
+    "other policy": completions sampled from weights perturbed by 1% relative noise, reported with the
+    perturbed policy's own (exact) logprobs.
+    """
+    import copy
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from learner.models import load_policy, model_spec
+    from learner.publisher import wire_tensors
+    from learner.tasks import make_task
+    from learner.trainer import Rollout
+    from learner.verify import RolloutVerifier, to_float
+    from p2p.messages import GenerationRequest, SamplingParams
+    from worker.engines.llamacpp import LlamaCppEngine
+
+    policy = load_policy(model, cache_dir)
+    spec = model_spec(policy)
+    task = make_task("arithmetic")
+    rng = random.Random(0)
+    prompt_ids = [policy.render_prompt(task.sample(rng).prompt) for _ in range(prompts)]
+    tensors = wire_tensors(policy.model, wire_dtype)
+    config = copy.deepcopy(policy.model.config)
+    verifier = RolloutVerifier(lambda: AutoModelForCausalLM.from_config(config), 1.0, top_p, 1, 0.0, 1e9)
+    verifier.remember(0, tensors, None)
+
+    def sample(weights: dict) -> list[list]:
+        engine = LlamaCppEngine(tempfile.mkdtemp(prefix="echo-verify-"), threads=threads, max_batch=32)
+        engine.load_policy(spec, {n: to_float(a).numpy() for n, a in weights.items()})
+        params = SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=max_new_tokens, seed=1)
+        groups = engine.generate([GenerationRequest(p, group_size) for p in prompt_ids], params)
+        engine.close()
+        return groups
+
+    def divergences(groups: list[list], forge=lambda lps, r: lps) -> list[float]:
+        out = []
+        for i, (prompt, group) in enumerate(zip(prompt_ids, groups, strict=True)):
+            r = np.random.default_rng(i)
+            rollouts = [Rollout(prompt, c.tokens, forge(list(c.logprobs), r), 0.0, 0.0, 0) for c in group]
+            out.append(verifier.check("bench", 0, rollouts))
+        return out
+
+    honest_groups = sample(tensors)
+    noise = np.random.default_rng(7)
+    perturbed = {
+        n: (a.astype(np.float32) * (1 + 0.01 * noise.standard_normal(a.shape))).astype(a.dtype)
+        if a.dtype != np.uint16 else a
+        for n, a in tensors.items()
+    }  # fmt: skip
+    rows = {
+        "honest": divergences(honest_groups),
+        "all logprobs 0": divergences(honest_groups, lambda lps, r: [0.0] * len(lps)),
+        "halved": divergences(honest_groups, lambda lps, r: [x / 2 for x in lps]),
+        "shuffled": divergences(honest_groups, lambda lps, r: list(r.permutation(lps))),
+        "jitter 0.1 nats": divergences(
+            honest_groups, lambda lps, r: list(np.minimum(0, lps + r.normal(0, 0.1, len(lps))))
+        ),
+        "other policy (1% weight noise)": divergences(sample(perturbed)),
+    }
+    torch.set_num_threads(threads)
+    tokens = sum(len(c.tokens) for g in honest_groups for c in g)
+    result = {
+        "model": model, "prompts": prompts, "group_size": group_size, "max_new_tokens": max_new_tokens,
+        "top_p": top_p, "wire_dtype": wire_dtype, "honest_tokens": tokens,
+        "divergence": {k: {"min": round(min(v), 5), "median": round(float(np.median(v)), 5), "max": round(max(v), 5)}
+                       for k, v in rows.items()},
+    }  # fmt: skip
+    if json_out:
+        print(json.dumps(result))
+        return result
+    table = Table(title=f"logprob divergence per group (nats/token), {model}, top_p {top_p}, {wire_dtype} weights")
+    for col in ("rollouts", "min", "median", "max"):
+        table.add_column(col, justify="left" if col == "rollouts" else "right")
+    for name, d in result["divergence"].items():
+        table.add_row(name, f"{d['min']:.5f}", f"{d['median']:.5f}", f"{d['max']:.5f}")
+    Console().print(table)
+    return result

@@ -51,6 +51,7 @@ def render(doc: dict) -> Group:
             f"{doc.get('set_aside', 0)} set aside without signal",
         ),
         ("rollouts/s", f"{doc['rollouts_per_s']:.2f}"),
+        ("verification", verification_line(doc)),
         ("address", doc["addrs"][0] if doc["addrs"] else "-"),
     ]
     for key, value in rows:
@@ -64,15 +65,30 @@ def render(doc: dict) -> Group:
         active = p.get("active", True)
         if not active:
             notes.append(f"{p['peer_id'][-8:]}: {p.get('activity', '')}")
+        if p.get("flagged"):
+            active, notes = False, [*notes, f"{p['peer_id'][-8:]} flagged: {p['flagged']}"]
         peers.add_row(
-            p["peer_id"][-8:], short_addr(p.get("addr")), "active" if active else "[yellow]inactive[/]",
+            p["peer_id"][-8:], short_addr(p.get("addr")),
+            "[red]flagged[/]" if p.get("flagged") else "active" if active else "[yellow]inactive[/]",
             f"{p['price']:.2f}", str(p["version"]), "-" if p["version_lag"] is None else str(p["version_lag"]),
             f"{p['newest_share']:.0%}", f"{p['tokens_per_s']:.0f}", str(p["open_leases"]), str(p["groups_accepted"]),
             str(p["refused"]), str(p.get("stale_dropped", 0)), f"{p['last_seen_s']:.0f}s",
         )  # fmt: skip
     if notes:
-        peers.caption = "inactive: " + "; ".join(notes)
+        peers.caption = "; ".join(notes)
     return Group(run, peers)
+
+
+def verification_line(doc: dict) -> str:
+    v = doc.get("verification")
+    if not v:
+        return "-"
+    line = f"{v['groups_checked']} groups checked"
+    if v["divergence_max"] is not None:
+        line += f", divergence median {v['divergence_median']:.4f} max {v['divergence_max']:.4f} nats/token"
+    line += f" (tolerance {v['tolerance']}), {len(v['flagged'])} workers flagged"
+    banned = doc.get("banned", [])
+    return line + (f", {len(banned)} peers banned" if banned else "")
 
 
 def console() -> Console:

@@ -175,6 +175,20 @@ class SwarmConfig:
     """Seconds without a heartbeat after which a worker is dropped and its leases go to others."""
     prefetch_batches: int = 1
     """async: batches of prompt groups leased or buffered ahead of training (1: the next is made during this step)."""
+    verify_first: int = 4
+    """Prompt groups of every new worker whose behaviour logprobs the learner recomputes (learner.verify)."""
+    verify_fraction: float = 0.05
+    """After those, the share of groups verified (seeded at random; 0 with verify_first = 0: no checks)."""
+    verify_tolerance: float = 0.02
+    """Mean |logprob difference| per token (nats) above which a worker is flagged and its rollouts dropped."""
+    read_timeout: float = 30.0
+    """Seconds a peer has to deliver a whole request (a slow peer cannot hold the learner's streams open)."""
+    upload_bps: float = 0.0
+    """Cap on the learner's upload in bytes/s, e.g. to emulate a home uplink (0 = no cap)."""
+    secret_file: str = ""
+    """File holding the swarm secret: only workers proving it (HMAC challenge) get work ("": no secret)."""
+    allow: str = ""
+    """File of worker peer ids allowed to work, one per line ("": any peer that passes the secret check)."""
 
     def validate(self) -> None:
         require(
@@ -190,6 +204,13 @@ class SwarmConfig:
         require(self.prefetch_batches >= 1, "swarm.prefetch_batches", "must be >= 1")
         require(self.margin >= 0, "swarm.margin", f"must be >= 0, got {self.margin}")
         require(self.worker_silence > 0, "swarm.worker_silence", "must be > 0")
+        require(self.read_timeout > 0, "swarm.read_timeout", f"must be > 0, got {self.read_timeout}")
+        require(self.upload_bps >= 0, "swarm.upload_bps", f"must be >= 0 (0: no cap), got {self.upload_bps}")
+        require(self.verify_first >= 0, "swarm.verify_first", f"must be >= 0, got {self.verify_first}")
+        require(
+            0 <= self.verify_fraction <= 1, "swarm.verify_fraction", f"must be in [0, 1], got {self.verify_fraction}"
+        )
+        require(self.verify_tolerance > 0, "swarm.verify_tolerance", f"must be > 0, got {self.verify_tolerance}")
         if self.sync_mode == "pull":
             require(
                 self.publish_every == 1, "swarm.publish_every", "must be 1 in pull mode (workers need every version)"

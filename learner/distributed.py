@@ -13,6 +13,7 @@ restarts, so workers find it again after `--resume`.
 
 from __future__ import annotations
 
+import copy
 import logging
 import secrets
 import time
@@ -21,13 +22,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import multiaddr
+from transformers import AutoModelForCausalLM
 
 from learner.config import LearnerConfig
+from learner.journal import JournalState, RolloutJournal, group_of, read_journal
 from learner.models import model_spec
 from learner.parallel import full_state, init_world, leave
 from learner.publisher import Publisher
 from learner.run import Run, batch_metrics, open_run
 from learner.service import LearnerService
+from learner.verify import RolloutVerifier
+from p2p.auth import AUTH, SwarmAuth, read_allow_list, read_secret
 from p2p.broadcast import ChunkStore, Seeder
 from p2p.host import Host, HostConfig, load_identity
 
@@ -51,6 +56,8 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
     """Run (or resume) a swarm GRPO run; yields each step's metrics after it is written.
 
     Under torchrun, rank 0 runs this loop and the other ranks `follow` it (learner.parallel)."""
+    secret = read_secret(cfg.swarm.secret_file) if cfg.swarm.secret_file else None
+    allow = read_allow_list(cfg.swarm.allow) if cfg.swarm.allow else None
     world = init_world()
     run = open_run(cfg, resume, world)
     if not world.leader:
@@ -58,9 +65,18 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
         leave(world)
         return
     policy, trainer, grpo = run.policy, run.trainer, cfg.grpo
-    host = Host(load_identity(run.run_dir / "learner.key"), HostConfig(listen=[listen_addr(cfg, run.run_dir)]))
+    host_cfg = HostConfig(
+        listen=[listen_addr(cfg, run.run_dir)],
+        read_timeout=cfg.swarm.read_timeout,
+        upload_bps=cfg.swarm.upload_bps or None,
+    )
+    host = Host(load_identity(run.run_dir / "learner.key"), host_cfg)
     host.start()
+    journal: RolloutJournal | None = None
     try:
+        auth = SwarmAuth(host.peer_id, secret, allow)
+        host.gate = auth.allows
+        host.handle(AUTH, auth.on_auth, guarded=False)
         (run.run_dir / "learner.addr").write_text(host.addrs[0] + "\n")
         log.info("learner listening on %s", host.addrs[0])
         seeder = Seeder(host, ChunkStore(spill_dir=run.run_dir / "chunks", memory_budget=1 << 30))
@@ -71,14 +87,35 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
             dtype=cfg.swarm.wire_dtype,
             lora=cfg.model.lora_rank > 0,
         )
+        # the journal: accepted groups and each step's batch, so that a killed learner loses none of them
+        resumed = read_journal(run.run_dir, run.start_step) if resume else JournalState()
+        journal = RolloutJournal(run.run_dir, staleness=0 if cfg.swarm.sync_mode == "pull" else cfg.swarm.staleness)
+        journal.open(run.start_step, resumed)
+        swarm = cfg.swarm
+        verifier = RolloutVerifier(
+            lambda: AutoModelForCausalLM.from_config(copy.deepcopy(policy.model.config)),
+            cfg.sampler.temperature, cfg.sampler.top_p, swarm.verify_first, swarm.verify_fraction,
+            swarm.verify_tolerance, lora_scale=cfg.model.lora_alpha / max(cfg.model.lora_rank, 1),
+            keep=swarm.staleness + swarm.publish_every + 1, seed=cfg.run.seed,
+        )  # fmt: skip
         service = LearnerService(
-            seeder, cfg, policy, run.task, model_spec(policy), publisher.run_id, first_group=run.start_step * 1000
+            seeder, cfg, policy, run.task, model_spec(policy), publisher.run_id, journal, verifier, resumed
         )
+        for group_id in resumed.pending():  # accepted before the restart, not trained on yet
+            service.buffer.add(group_of(resumed.groups[group_id]))
+        replay = {s: r for s, r in resumed.steps.items() if s > run.start_step}
+        if resume:
+            log.info(
+                "journal: %d accepted groups back in the buffer, %d steps to train again, %d groups to lease again",
+                len(resumed.pending()), len(replay), len(resumed.unreturned()),
+            )  # fmt: skip
         version = run.start_step
         service.version = version
 
         def publish(version: int, tensors: dict) -> None:
-            service.mark_published(version, publisher.publish(version, tensors).payload_size)
+            manifest = publisher.publish(version, tensors)
+            verifier.remember(version, tensors, manifest.adapter_base)
+            service.mark_published(version, manifest.payload_size)
 
         def snapshot() -> dict:  # with several ranks, every rank takes part in gathering the weights
             return publisher.snapshot(policy.model, full_state(policy.model, world))
@@ -94,11 +131,17 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
 
             # 1. wait for a batch: P groups generated within the staleness bound (with dynamic sampling:
             #    P groups with signal, plus the groups set aside without it, which count in the metrics)
-            taken = None
-            while taken is None:
-                taken = service.buffer.take(grpo.prompts_per_step, version, timeout=1.0)
-                service.leases.expire()
-            batch, set_aside = taken
+            if step in replay:  # journaled before the learner stopped: the same groups again
+                batch, set_aside = (
+                    [group_of(resumed.groups[g]) for g in replay[step][k]] for k in ("batch", "set_aside")
+                )
+            else:
+                taken = None
+                while taken is None:
+                    taken = service.buffer.take(grpo.prompts_per_step, version, timeout=1.0)
+                    service.leases.expire()
+                batch, set_aside = taken
+                journal.step(step, batch, set_aside)
             seconds["wait"], tick = time.perf_counter() - tick, time.perf_counter()
 
             # 2. one optimizer step on them. The version moves on before the step: leases handed out
@@ -143,8 +186,12 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                 "bcast_s": {str(v): round(s, 2) for v, s in sorted(service.bcast_seconds.items())[-3:]},
                 "version_bytes": {str(v): b for v, b in sorted(service.version_bytes.items())[-3:]},
                 "seconds": {k: round(v, 4) for k, v in seconds.items()},
+                "batch_groups": [g.group_id for g in batch],
+                "set_aside_groups": [g.group_id for g in set_aside],
+                "replayed": step in replay,
             }
-            run.record(step, record)
+            if run.record(step, record):
+                journal.checkpointed(step)
             service.last_step = record
             yield record
         if pending is not None:
@@ -153,6 +200,8 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
         leave(world)
     finally:
         host.stop()
+        if journal is not None:
+            journal.close()
 
 
 def follow(run: Run) -> None:

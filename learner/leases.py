@@ -38,7 +38,15 @@ class LeaseCounters:
 
 
 class LeaseError(ValueError):
-    """A submission that does not match a live lease of this worker."""
+    """A submission that does not match a live lease of this worker; `reason` is one of late, unknown,
+    duplicate (a replay), not_owner (someone else's lease)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+CLOSED_KEPT = 100_000  # closed lease ids remembered (to tell a replay from an unknown lease)
 
 
 class LeaseTable:
@@ -82,12 +90,12 @@ class LeaseTable:
             if lease is None:
                 reason = {"completed": "duplicate", "expired": "late"}.get(self.closed.get(lease_id, ""), "unknown")
                 self.counters.refuse(reason)
-                raise LeaseError(f"lease {lease_id} is {reason}")
+                raise LeaseError(f"lease {lease_id} is {reason}", reason)
             if lease.worker != worker:
                 self.counters.refuse("not_owner")
-                raise LeaseError(f"lease {lease_id} belongs to another worker")
+                raise LeaseError(f"lease {lease_id} belongs to another worker", "not_owner")
             del self.live[lease_id]
-            self.closed[lease_id] = "completed"
+            self._close_locked(lease_id, "completed")
             self.counters.completed += 1
             return lease
 
@@ -111,9 +119,21 @@ class LeaseTable:
                 self._requeue_locked(lease)
             return len(gone)
 
+    def requeue_lease(self, lease_id: int) -> None:
+        """Give a live lease's groups to others now (its worker's work was refused)."""
+        with self._lock:
+            if lease_id in self.live:
+                self._requeue_locked(self.live[lease_id])
+
     def outstanding_groups(self) -> int:
         with self._lock:
             return sum(len(lease.group_ids) for lease in self.live.values())
+
+    def _close_locked(self, lease_id: int, how: str) -> None:
+        self.closed[lease_id] = how
+        if len(self.closed) > CLOSED_KEPT:  # dicts keep insertion order: forget the oldest tenth
+            for old in list(self.closed)[: CLOSED_KEPT // 10]:
+                del self.closed[old]
 
     def _expire_locked(self) -> None:
         now = time.monotonic()
@@ -122,7 +142,7 @@ class LeaseTable:
 
     def _requeue_locked(self, lease: Lease) -> None:
         del self.live[lease.lease_id]
-        self.closed[lease.lease_id] = "expired"
+        self._close_locked(lease.lease_id, "expired")
         self.counters.expired += 1
         self.counters.reissued_groups += len(lease.group_ids)
         self.requeued.extend(lease.group_ids)

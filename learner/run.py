@@ -49,9 +49,9 @@ class Run:
     def metrics_path(self) -> Path:
         return self.run_dir / "metrics.jsonl"
 
-    def record(self, step: int, record: dict | None) -> None:
+    def record(self, step: int, record: dict | None) -> bool:
         """Append a step's metrics (rank 0's `record`), then checkpoint if it is time (every rank calls
-        this: the checkpoint gathers the sharded state)."""
+        this: the checkpoint gathers the sharded state). Returns whether a checkpoint was written."""
         if self.world.leader:
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -68,6 +68,8 @@ class Run:
             )  # fmt: skip
             if path is not None:
                 log.info("checkpoint %s written in %.1fs", path, time.perf_counter() - tick)
+            return True
+        return False
 
 
 def open_run(cfg: LearnerConfig, resume: bool, world: World = World()) -> Run:

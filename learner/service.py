@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from learner.config import LearnerConfig
+from learner.journal import JournalState, RolloutJournal
 from learner.leases import LeaseError, LeaseTable
 from learner.models import Policy
 from learner.replay import ReplayBuffer, ScoredGroup
@@ -25,8 +26,10 @@ from learner.rollouts import score_groups
 from learner.run import step_seed
 from learner.scheduler import Decision, Scheduler, SchedulerConfig
 from learner.tasks import Problem, Task
+from learner.trainer import Rollout
+from learner.verify import RolloutVerifier
 from p2p.broadcast import Seeder
-from p2p.host import BadRequest
+from p2p.host import BadRequest, Misbehaviour
 from p2p.messages import HEARTBEAT, LEASE, ROLLOUT, SPEC, STATUS, Completion, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -65,7 +68,9 @@ class LearnerService:
         task: Task,
         spec: ModelSpec,
         run_id: str,
-        first_group: int,
+        journal: RolloutJournal,
+        verifier: RolloutVerifier,
+        resumed: JournalState | None = None,
     ) -> None:
         self.seeder = seeder
         self.host = host = seeder.host
@@ -79,7 +84,12 @@ class LearnerService:
         self.buffer = ReplayBuffer(
             0 if swarm.sync_mode == "pull" else swarm.staleness, grpo.dynamic_sampling, grpo.sampling_rounds
         )
-        self.leases = LeaseTable(swarm.lease_timeout, first_group)
+        self.journal = journal
+        self.verifier = verifier
+        resumed = resumed or JournalState()
+        # group ids go on from the last one leased; groups leased but never returned are leased again
+        self.leases = LeaseTable(swarm.lease_timeout, resumed.next_group)
+        self.leases.requeued.extend(resumed.unreturned())
         # pull mode uses every worker: each lease there waits for the newest version, which the model does not cover
         self.autoscale = swarm.autoscale and swarm.sync_mode == "async"
         self.scheduler = Scheduler(
@@ -109,7 +119,7 @@ class LearnerService:
         host.handle(LEASE, self._on_lease)
         host.handle(ROLLOUT, self._on_rollout)
         host.handle(HEARTBEAT, self._on_heartbeat)
-        host.handle(STATUS, lambda peer, msg: self.status())  # read-only, open to any peer
+        host.handle(STATUS, lambda peer, msg: self.status(), guarded=False)  # read-only, open to any peer
         self.last_step: dict[str, Any] = {}  # the newest step's metrics, set by the training loop
         self.started = time.monotonic()
 
@@ -137,6 +147,9 @@ class LearnerService:
             if self.publishing == version:
                 self.publishing = -1
             self.published_at[version] = time.monotonic()
+            for per_version in (self.version_bytes, self.published_at, self.bcast_seconds):
+                for old in [v for v in per_version if v < version - 100]:  # bounded over long runs
+                    del per_version[old]
 
     def _worker(self, peer: str) -> WorkerRecord:
         with self._lock:
@@ -164,6 +177,7 @@ class LearnerService:
                 log.info("worker %s went silent: %d of its leases go to others", peer[-8:], requeued)
                 with self._lock:
                     self.workers.pop(peer, None)
+                self.seeder.forget(peer)
             return self.scheduler.replan() if self.autoscale else []
 
     def activity(self, peer: str) -> tuple[bool, str]:
@@ -213,9 +227,11 @@ class LearnerService:
 
     def _on_lease(self, peer: str, msg: dict) -> dict:
         worker = self._worker(peer)
+        if peer in self.verifier.flagged:
+            raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
         held, max_groups = msg.get("version"), msg.get("max_groups", 1)
         if not isinstance(held, int) or not isinstance(max_groups, int) or max_groups < 1:
-            raise BadRequest("lease request needs integer version and max_groups >= 1")
+            raise Misbehaviour("lease request needs integer version and max_groups >= 1")
         worker.version = max(worker.version, held)
         swarm, grpo = self.cfg.swarm, self.cfg.grpo
         wait = {"wait": 0.2, "newest": self.newest_published}
@@ -242,6 +258,7 @@ class LearnerService:
         if n <= 0:
             return wait
         lease = self.leases.issue(peer, n, min_version=held, timeout_s=deadline)
+        self.journal.issue(lease.group_ids)
         sampler = self.cfg.sampler
         return {
             "lease": {
@@ -261,29 +278,38 @@ class LearnerService:
 
     def _on_rollout(self, peer: str, msg: dict) -> dict:
         worker = self._worker(peer)
+        if peer in self.verifier.flagged:
+            raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
         try:
             lease_id, version, groups = msg["lease"], msg["version"], msg["groups"]
             if not isinstance(lease_id, int) or not isinstance(version, int) or not isinstance(groups, list):
-                raise BadRequest("rollout needs integer lease and version and a list of groups")
+                raise Misbehaviour("rollout needs integer lease and version and a list of groups")
             lease = self.leases.get(lease_id)
-            if lease is not None:  # ownership and liveness are checked by complete() below
+            if lease is not None and lease.worker == peer:  # complete() below refuses the other cases
                 completions = self._validate(lease.group_ids, version, lease.min_version, groups)
+                self._verify(peer, lease.lease_id, lease.group_ids, version, completions)
             lease = self.leases.complete(lease_id, peer)
-        except LeaseError as exc:
+        except LeaseError as exc:  # a replay or someone else's lease is an offence; a late one is not
             worker.refused += 1
-            raise BadRequest(str(exc)) from None
-        except (KeyError, TypeError) as exc:
+            raise (Misbehaviour if exc.reason in ("duplicate", "not_owner") else BadRequest)(str(exc)) from None
+        except (KeyError, TypeError, AttributeError) as exc:
             worker.refused += 1
-            raise BadRequest(f"malformed rollout: {type(exc).__name__}: {exc}") from None
+            raise Misbehaviour(f"malformed rollout: {type(exc).__name__}: {exc}") from None
         except BadRequest:
             worker.refused += 1
             raise
         problems = [self.problem(g) for g in lease.group_ids]
+        with self._lock:  # a group is scored once: its prompt need not be remembered (nor rebuilt) any more
+            for g in lease.group_ids:
+                self._problems.pop(g, None)
         scored = score_groups(
             self.task, self.policy, [p for p, _ in problems], [ids for _, ids in problems], completions, version
         )
-        for group_id, rollouts in zip(lease.group_ids, scored, strict=True):
-            self.buffer.add(ScoredGroup(group_id, version, peer, rollouts))
+        groups = [ScoredGroup(g, version, peer, rollouts) for g, rollouts in zip(lease.group_ids, scored, strict=True)]
+        for group in groups:  # on disk before the worker hears "accepted" (learner.journal)
+            self.journal.accept(group)
+        for group in groups:
+            self.buffer.add(group)
         now = time.monotonic()
         with self._sched_lock:
             self.scheduler.lease_done(peer, now, now - lease.issued_at, sum(len(g) for g in scored))
@@ -296,33 +322,54 @@ class LearnerService:
             self.tokens_accepted += tokens  # all workers: the mean rollout length turns tokens/s into rollouts/s
         return {"accepted": len(scored)}
 
+    def _verify(self, peer: str, lease_id: int, group_ids: list[int], version: int, groups: list) -> None:
+        """Recompute the behaviour logprobs of sampled groups (learner.verify); on a mismatch flag the
+        worker, give its lease to others and drop its groups from the buffer (and the journal)."""
+        for group_id, completions in zip(group_ids, groups, strict=True):
+            if not self.verifier.wants(peer):
+                continue
+            prompt = self.problem(group_id)[1]
+            rollouts = [Rollout(prompt, c.tokens, c.logprobs, 0.0, 0.0, version) for c in completions]
+            d = self.verifier.check(peer, version, rollouts)
+            if d is not None and peer in self.verifier.flagged:
+                self.leases.requeue_lease(lease_id)
+                dropped = self.buffer.drop_worker(peer)
+                self.journal.drop([g.group_id for g in dropped])
+                log.warning(
+                    "worker %s flagged: %s; %d of its groups dropped from the buffer",
+                    peer[-8:], self.verifier.flagged[peer], len(dropped),
+                )  # fmt: skip
+                raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
+
     def _validate(self, group_ids: list[int], version: int, min_version: int, groups: list) -> list[list[Completion]]:
         """Check a submission against its lease; return its completions or raise BadRequest."""
         g_size, budget, vocab = self.cfg.grpo.group_size, self.cfg.sampler.max_new_tokens, self.spec.vocab_size
         if not min_version <= version <= self.newest_published:
             raise BadRequest(f"version {version} is outside [{min_version}, {self.newest_published}]")
         if len(groups) != len(group_ids):
-            raise BadRequest(f"lease has {len(group_ids)} groups, got {len(groups)}")
+            raise Misbehaviour(f"lease has {len(group_ids)} groups, got {len(groups)}")
         out = []
         for expected, group in zip(group_ids, groups, strict=True):
             if not isinstance(group, dict) or group.get("group") != expected:
-                raise BadRequest(f"groups must come in lease order (expected group {expected})")
+                raise Misbehaviour(f"groups must come in lease order (expected group {expected})")
             completions = group.get("completions")
             if not isinstance(completions, list) or len(completions) != g_size:
-                raise BadRequest(f"group {expected} needs exactly {g_size} completions")
+                raise Misbehaviour(f"group {expected} needs exactly {g_size} completions")
             parsed = []
             for c in completions:
+                if not isinstance(c, dict):
+                    raise Misbehaviour("a completion must be a map")
                 tokens, logprobs, finish = c.get("tokens"), c.get("logprobs"), c.get("finish")
                 if not isinstance(tokens, list) or not 1 <= len(tokens) <= budget:
-                    raise BadRequest(f"a completion must have 1 to {budget} tokens")
+                    raise Misbehaviour(f"a completion must have 1 to {budget} tokens")
                 if not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
-                    raise BadRequest(f"token ids must be integers in [0, {vocab})")
+                    raise Misbehaviour(f"token ids must be integers in [0, {vocab})")
                 if not isinstance(logprobs, list) or len(logprobs) != len(tokens):
-                    raise BadRequest("one logprob per token is required")
+                    raise Misbehaviour("one logprob per token is required")
                 if not all(isinstance(x, float) and math.isfinite(x) and x <= 1e-6 for x in logprobs):
-                    raise BadRequest("logprobs must be finite floats <= 0")
+                    raise Misbehaviour("logprobs must be finite floats <= 0")
                 if finish not in ("stop", "length"):
-                    raise BadRequest("finish must be 'stop' or 'length'")
+                    raise Misbehaviour("finish must be 'stop' or 'length'")
                 parsed.append(Completion(tokens, logprobs, finish))
             out.append(parsed)
         return out
@@ -360,9 +407,12 @@ class LearnerService:
                     "groups_accepted": w.groups_accepted,
                     "refused": w.refused,
                     "stale_dropped": self.buffer.dropped_by_worker.get(w.peer_id, 0),
+                    "verified": self.verifier.checked.get(w.peer_id, 0),
+                    "flagged": self.verifier.flagged.get(w.peer_id),
                     "last_seen_s": round(now - w.last_seen, 1),
                 }
             )
+        divergences = sorted(self.verifier.divergences)
         return {
             "schema": 1,
             "run_id": self.run_id,
@@ -381,6 +431,16 @@ class LearnerService:
             "rollouts_per_s": round(self.buffer.added * self.cfg.grpo.group_size / max(now - self.started, 1e-9), 2),
             "stale_dropped": self.buffer.dropped_stale,
             "uptime_s": round(now - self.started, 1),
+            "verification": {
+                "groups_checked": len(divergences),
+                "divergence_median": divergences[len(divergences) // 2] if divergences else None,
+                "divergence_max": divergences[-1] if divergences else None,
+                "tolerance": swarm.verify_tolerance,
+                "flagged": dict(self.verifier.flagged),
+                "groups_dropped": self.buffer.dropped_flagged,
+            },
+            "penalties": dict(self.host.guard.counts),
+            "banned": self.host.guard.banned_peers(),
             "peers": peers,
         }
 

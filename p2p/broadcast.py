@@ -20,7 +20,9 @@ Protocols: /echo/manifest/1 (newest or given version), /echo/chunk/1, /echo/have
 from __future__ import annotations
 
 import logging
+import os
 import random
+import shutil
 import threading
 import time
 from collections import defaultdict
@@ -28,9 +30,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import msgpack
+
 from p2p.codec import sha256
-from p2p.host import BadRequest, Host, PeerUnavailable, RemoteError
-from p2p.manifest import Manifest
+from p2p.host import BadRequest, Host, Misbehaviour, PeerUnavailable, RemoteError
+from p2p.manifest import Manifest, ManifestError
 from p2p.versions import PolicyVersion
 
 log = logging.getLogger(__name__)
@@ -43,6 +47,7 @@ JOIN = "/echo/join/1"
 PENALTY_LIMIT = 3  # bad chunks after which a peer is no longer asked
 DEAD_FOR = 5.0  # seconds a peer that failed a request is skipped
 HAVE_REFRESH = 0.3  # seconds between have-map exchanges with each peer
+MAX_PEERS = 4096  # peers the learner's registry holds (peers are forgotten when they go silent)
 OWNER_GRACE = 2.0  # seconds a peer has to show it fetches a version before others take its learner share
 
 
@@ -60,32 +65,48 @@ def from_bitmap(data: bytes, n: int) -> set[int]:
 
 
 class ChunkStore:
-    """Verified chunks by (version, index): in memory up to `memory_budget` bytes, then spilled to disk."""
+    """Verified chunks by (version, index): in memory up to `memory_budget` bytes, then spilled to disk.
 
-    def __init__(self, spill_dir: str | Path | None = None, memory_budget: int = 1 << 30) -> None:
+    `persist` (a worker's store): every chunk and signed manifest is also written to `spill_dir`
+    (atomically: a temporary file renamed into place), so a restarted worker need not fetch again what
+    it held. `recover` checks those files at start: manifests against the learner's signature, chunks
+    against their size and hash; anything corrupt or truncated is deleted, and so fetched again.
+    """
+
+    def __init__(
+        self, spill_dir: str | Path | None = None, memory_budget: int = 1 << 30, persist: bool = False
+    ) -> None:
         self.spill_dir = Path(spill_dir) if spill_dir else None
         self.memory_budget = memory_budget
+        self.persist = persist and self.spill_dir is not None
         self.memory_used = 0
         self.manifests: dict[int, Manifest] = {}
         self._memory: dict[tuple[int, int], bytes] = {}
         self._on_disk: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
 
+    def _path(self, version: int, index: int) -> Path:
+        return self.spill_dir / f"v{version}" / f"{index:06d}.chunk"
+
     def add_manifest(self, manifest: Manifest) -> None:
         with self._lock:
-            self.manifests.setdefault(manifest.version, manifest)
+            if manifest.version in self.manifests:
+                return
+            self.manifests[manifest.version] = manifest
+        if self.persist:
+            _write_atomic(self.spill_dir / f"v{manifest.version}" / "manifest.msgpack",
+                          msgpack.packb(manifest.to_dict(), use_bin_type=True))  # fmt: skip
 
     def put(self, version: int, index: int, data: bytes) -> None:
         with self._lock:
             key = (version, index)
             if key in self._memory or key in self._on_disk:
                 return
-            if self.spill_dir is not None and self.memory_used + len(data) > self.memory_budget:
-                path = self.spill_dir / f"v{version}" / f"{index:06d}.chunk"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(data)
+            to_disk = self.spill_dir is not None and (self.persist or self.memory_used + len(data) > self.memory_budget)
+            if to_disk:
+                _write_atomic(self._path(version, index), data)
                 self._on_disk.add(key)
-            else:
+            if not to_disk or self.memory_used + len(data) <= self.memory_budget:
                 self._memory[key] = data
                 self.memory_used += len(data)
 
@@ -95,13 +116,17 @@ class ChunkStore:
             if key in self._memory:
                 return self._memory[key]
             on_disk = key in self._on_disk
-        if on_disk and self.spill_dir is not None:
-            return (self.spill_dir / f"v{version}" / f"{index:06d}.chunk").read_bytes()
+        if on_disk:
+            try:
+                return self._path(version, index).read_bytes()
+            except OSError:  # deleted under us: we no longer hold it
+                with self._lock:
+                    self._on_disk.discard(key)
         return None
 
     def held(self, version: int) -> set[int]:
         with self._lock:
-            return {i for v, i in list(self._memory) + list(self._on_disk) if v == version}
+            return {i for v, i in set(self._memory) | self._on_disk if v == version}
 
     def add_version(self, pv: PolicyVersion) -> None:
         self.add_manifest(pv.manifest)
@@ -114,9 +139,53 @@ class ChunkStore:
                 self.memory_used -= len(self._memory.pop(key))
             for key in [k for k in self._on_disk if k[0] == version]:
                 self._on_disk.discard(key)
-                if self.spill_dir is not None:
-                    (self.spill_dir / f"v{key[0]}" / f"{key[1]:06d}.chunk").unlink(missing_ok=True)
             self.manifests.pop(version, None)
+        if self.spill_dir is not None:
+            shutil.rmtree(self.spill_dir / f"v{version}", ignore_errors=True)
+
+    def recover(self, learner: str) -> dict[str, int]:
+        """Take back the versions a previous run of this worker left in `spill_dir` (persist only).
+
+        Keeps a version only if its manifest is signed by `learner`, and a chunk only if its size and
+        sha256 match; deletes the rest. Returns counts: versions, chunks kept, chunks corrupt."""
+        counts = {"versions": 0, "chunks": 0, "corrupt": 0}
+        if not self.persist or not self.spill_dir.is_dir():
+            return counts
+        for folder in sorted(self.spill_dir.glob("v*")):
+            try:
+                manifest = Manifest.from_dict(msgpack.unpackb((folder / "manifest.msgpack").read_bytes(), raw=False))
+                manifest.verify(learner)
+                if folder.name != f"v{manifest.version}":
+                    raise ManifestError(f"{folder.name} holds the manifest of v{manifest.version}")
+            except (OSError, ValueError, msgpack.UnpackException) as exc:
+                log.warning("stored version %s is unusable (%s): deleted", folder.name, exc)
+                shutil.rmtree(folder, ignore_errors=True)
+                continue
+            with self._lock:
+                self.manifests[manifest.version] = manifest
+            counts["versions"] += 1
+            for path in folder.glob("*.chunk"):
+                index = int(path.stem) if path.stem.isdigit() else -1
+                data = path.read_bytes()
+                if 0 <= index < len(manifest.chunks) and (sha256(data), len(data)) == tuple(manifest.chunks[index]):
+                    with self._lock:
+                        self._on_disk.add((manifest.version, index))
+                    counts["chunks"] += 1
+                else:
+                    log.warning("stored chunk %s of v%d is corrupt or truncated: deleted, it will be fetched again",
+                                path.name, manifest.version)  # fmt: skip
+                    path.unlink(missing_ok=True)
+                    counts["corrupt"] += 1
+            for tmp in folder.glob("*.tmp"):  # a write cut short by a crash
+                tmp.unlink(missing_ok=True)
+        return counts
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 class ChunkServer:
@@ -131,6 +200,10 @@ class ChunkServer:
         # upload_slots: answer only this many chunk requests at once (None: all, sharing the uplink)
         host.handle(CHUNK, self._on_chunk, concurrency=upload_slots)
         host.handle(HAVE, self._on_have)
+
+    def forget(self, peer: str) -> None:
+        """Drop what we know about a peer that left (its have-maps)."""
+        self.peer_have.pop(peer, None)
 
     def _on_manifest(self, peer: str, msg: dict) -> dict:
         versions = self.store.manifests
@@ -160,7 +233,10 @@ class ChunkServer:
             return {"have": None}
         n = len(manifest.chunks)
         if isinstance(msg.get("have"), bytes):
-            self.peer_have[peer][version] = from_bitmap(msg["have"], n)
+            maps = self.peer_have[peer]
+            maps[version] = from_bitmap(msg["have"], n)
+            for old in [v for v in maps if v not in self.store.manifests]:  # versions dropped since
+                del maps[old]
         return {"have": bitmap(self.store.held(version), n)}
 
 
@@ -175,10 +251,18 @@ class Seeder(ChunkServer):
     def publish(self, pv: PolicyVersion) -> None:
         self.store.add_version(pv)
 
+    def forget(self, peer: str) -> None:
+        super().forget(peer)
+        self.peers.pop(peer, None)
+
     def _on_join(self, peer: str, msg: dict) -> dict:
         addrs = msg.get("addrs")
-        if not isinstance(addrs, list) or not all(isinstance(a, str) and a.startswith("/") for a in addrs):
-            raise BadRequest("join needs the list of the peer's multiaddrs")
+        if not isinstance(addrs, list) or not all(
+            isinstance(a, str) and a.startswith("/") and len(a) < 256 for a in addrs
+        ):
+            raise Misbehaviour("join needs the list of the peer's multiaddrs")
+        if peer not in self.peers and len(self.peers) >= MAX_PEERS:
+            raise BadRequest(f"the learner's peer list is full ({MAX_PEERS})")
         self.peers[peer] = addrs[:8]
         return {"peers": {p: a for p, a in self.peers.items() if p != peer}}
 
@@ -401,6 +485,9 @@ class BroadcastPeer(ChunkServer):
             else:
                 self.store.put(version, index, data)
                 self.stats["from_learner" if source == self.learner else "from_peers"] += 1
+                log.debug(
+                    "chunk %d of v%d from %s", index, version, "the learner" if source == self.learner else source[-8:]
+                )
                 if source == self.learner:
                     self.last_learner_chunk_at = time.monotonic()
         except RemoteError:

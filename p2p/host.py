@@ -7,6 +7,12 @@ implementations can talk to it. Requests are one frame each way on a fresh strea
 Handlers are plain functions `handler(peer_id, message) -> reply` run in worker threads. A handler
 that raises `BadRequest` sends the peer an error reply; any other exception resets the stream and is
 logged. Nothing a handler does can stop the host.
+
+Every inbound request is bounded before a handler sees it (p2p.wire: frame size before decoding,
+msgpack limits), must arrive within `read_timeout`, and a peer may hold only `max_streams_per_peer`
+requests open at once. Misbehaviour (a broken frame, a request too slow to arrive, a `Misbehaviour`
+refusal, a request without authorization) is a penalty; a peer with `ban_after` penalties within
+`ban_window` seconds is banned for `ban_seconds`: its streams are reset unread.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,8 +53,16 @@ class RemoteError(Exception):
     """The peer answered with an error (it refused our request); retrying the same request will not help."""
 
 
+class Unauthorized(RemoteError):
+    """The peer refused us because we are not authorized (authenticate again: it may have restarted)."""
+
+
 class BadRequest(Exception):
     """Raised by a handler to refuse a request; the message goes back to the peer as an error reply."""
+
+
+class Misbehaviour(BadRequest):
+    """A refusal that also counts as a penalty against the peer (malformed or forged input, replays)."""
 
 
 class IdentityError(ValueError):
@@ -131,6 +146,63 @@ class HostConfig:
     """Largest frame accepted from a peer, in bytes."""
     start_timeout: float = 20.0
     """Seconds to wait for the host to listen."""
+    read_timeout: float = 30.0
+    """Seconds a peer has to deliver a whole request frame (a slow peer cannot hold streams open)."""
+    max_streams_per_peer: int = 32
+    """Requests one peer may have open at once; more are reset unread."""
+    ban_after: int = 5
+    """Penalties within ban_window seconds after which a peer is banned."""
+    ban_window: float = 60.0
+    """Seconds over which penalties are counted."""
+    ban_seconds: float = 120.0
+    """How long a ban lasts."""
+
+
+class PeerGuard:
+    """Penalties and temporary bans by peer id.
+
+    A peer is banned at time t for ban_seconds when it has ban_after penalties in (t - ban_window, t].
+    Memory is bounded: only peers with recent penalties or a live ban are remembered.
+    """
+
+    def __init__(self, ban_after: int, ban_window: float, ban_seconds: float) -> None:
+        self.ban_after, self.ban_window, self.ban_seconds = ban_after, ban_window, ban_seconds
+        self._penalties: dict[str, list[float]] = {}
+        self._banned_until: dict[str, float] = {}
+        self.counts: dict[str, int] = {}  # reason -> penalties given, for status and tests
+        self.bans = 0
+        self._lock = threading.Lock()
+
+    def penalise(self, peer: str, reason: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.counts[reason] = self.counts.get(reason, 0) + 1
+            recent = [t for t in self._penalties.get(peer, []) if t > now - self.ban_window] + [now]
+            self._penalties[peer] = recent
+            if len(recent) >= self.ban_after and not self._banned_locked(peer, now):
+                self._banned_until[peer] = now + self.ban_seconds
+                self.bans += 1
+                log.warning("peer %s banned for %.0fs after %d penalties (last: %s)", peer[-8:], self.ban_seconds,
+                            len(recent), reason)  # fmt: skip
+            if len(self._penalties) > 10_000:  # forget peers whose penalties are old
+                for p in [p for p, ts in self._penalties.items() if ts[-1] <= now - self.ban_window]:
+                    del self._penalties[p]
+
+    def banned(self, peer: str) -> bool:
+        with self._lock:
+            return self._banned_locked(peer, time.monotonic())
+
+    def _banned_locked(self, peer: str, now: float) -> bool:
+        until = self._banned_until.get(peer)
+        if until is not None and until <= now:
+            del self._banned_until[peer]
+            until = None
+        return until is not None
+
+    def banned_peers(self) -> list[str]:
+        now = time.monotonic()
+        with self._lock:
+            return [p for p in list(self._banned_until) if self._banned_locked(p, now)]
 
 
 class Host:
@@ -149,6 +221,9 @@ class Host:
         self._host: Any = None
         self._pubsub: Any = None
         self._stop: trio.Event | None = None
+        self.guard = PeerGuard(self.config.ban_after, self.config.ban_window, self.config.ban_seconds)
+        self.gate: Callable[[str], bool] | None = None  # set: only peers it accepts reach guarded protocols
+        self._open_streams: dict[str, int] = {}  # peer -> requests being read or answered (trio thread only)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -283,27 +358,42 @@ class Host:
         except Exception as exc:  # noqa: BLE001 - resets, dial errors, frame errors: all retryable elsewhere
             raise PeerUnavailable(f"{protocol} to {peer[-8:]} failed: {type(exc).__name__}: {exc}") from None
         if "error" in reply:
-            raise RemoteError(str(reply["error"]))
+            raise (Unauthorized if reply.get("unauthorized") else RemoteError)(str(reply["error"]))
         return reply
 
-    def handle(self, protocol: str, handler: Handler, concurrency: int | None = None) -> None:
+    def handle(self, protocol: str, handler: Handler, concurrency: int | None = None, guarded: bool = True) -> None:
         """Serve `protocol` with `handler(peer_id, message) -> reply`, run in a worker thread.
 
         `concurrency` bounds how many requests are answered at once (the rest wait their turn), so that
-        a capped uplink sends a few replies at full speed rather than many at a crawl.
+        a capped uplink sends a few replies at full speed rather than many at a crawl. `guarded`: when
+        the host has a gate, only peers it lets through are served (others get an error and a penalty).
         """
         slots = self._run_sync(trio.Semaphore, concurrency) if concurrency else None
+        cfg = self.config
 
         async def on_stream(stream: Any) -> None:
             peer = stream.muxed_conn.peer_id.to_base58()
+            if self.guard.banned(peer) or self._open_streams.get(peer, 0) >= cfg.max_streams_per_peer:
+                await _reset_quietly(stream)
+                return
+            self._open_streams[peer] = self._open_streams.get(peer, 0) + 1
             try:
-                message = await self._read(stream)
+                with trio.fail_after(cfg.read_timeout):
+                    message = await self._read(stream)
+                if guarded and self.gate is not None and not self.gate(peer):
+                    self.guard.penalise(peer, "unauthorized")
+                    refusal = {"error": f"{protocol}: not authorized", "unauthorized": True}
+                    await self._write(stream, encode_frame(refusal))
+                    await stream.close()
+                    return
                 if slots is not None:
                     await slots.acquire()
                 try:
                     try:
                         reply = await trio.to_thread.run_sync(handler, peer, message)
                     except BadRequest as exc:
+                        if isinstance(exc, Misbehaviour):
+                            self.guard.penalise(peer, "misbehaviour")
                         reply = {"error": str(exc)}
                     await self._write(stream, encode_frame(reply))
                 finally:
@@ -311,8 +401,16 @@ class Host:
                         slots.release()
                 await stream.close()
             except Exception as exc:  # noqa: BLE001 - nothing a peer sends may end the host
+                if isinstance(exc, FrameError | trio.TooSlowError):
+                    self.guard.penalise(peer, "slow request" if isinstance(exc, trio.TooSlowError) else "bad frame")
                 log.warning("%s from %s: %s: %s; stream reset", protocol, peer[-8:], type(exc).__name__, exc)
                 await _reset_quietly(stream)
+            finally:
+                left = self._open_streams.get(peer, 1) - 1
+                if left:
+                    self._open_streams[peer] = left
+                else:
+                    self._open_streams.pop(peer, None)
 
         self._run_sync(self._host.set_stream_handler, TProtocol(protocol), on_stream)
 

@@ -30,6 +30,8 @@ class WorkerConfig:
     """Where converted weights and spilled chunks go."""
     listen: str = "/ip4/127.0.0.1/tcp/0"
     """Multiaddr to listen on for other workers (peer-assisted broadcast)."""
+    secret_file: str = ""
+    """File holding the swarm secret, if the learner requires one."""
 
     def validate(self) -> None:
         require(self.learner.startswith("/") and "/p2p/" in self.learner, "worker.learner",

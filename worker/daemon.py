@@ -22,9 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from p2p.auth import authenticate, read_secret
 from p2p.broadcast import BroadcastPeer, ChunkStore
 from p2p.codec import CodecError, bf16_to_f32
-from p2p.host import Host, HostConfig, PeerUnavailable, RemoteError, load_identity
+from p2p.host import Host, HostConfig, PeerUnavailable, RemoteError, Unauthorized, load_identity
 from p2p.manifest import Manifest, ManifestError
 from p2p.messages import HEARTBEAT, LEASE, ROLLOUT, SPEC, GenerationRequest, ModelSpec, SamplingParams
 from p2p.versions import tensors_of
@@ -59,6 +60,7 @@ class WorkerDaemon:
             "cores": os.cpu_count() or 0,
         }
         self.state = "starting"  # what the worker is doing now, for the live view
+        self.secret = read_secret(cfg.secret_file) if cfg.secret_file else None
 
     def install_signal_handlers(self) -> None:
         def leave(signum: int, frame: object) -> None:
@@ -73,7 +75,12 @@ class WorkerDaemon:
         work_dir = Path(cfg.work_dir).expanduser()
         self.host = Host(load_identity(cfg.identity), HostConfig(listen=[cfg.listen])).start()
         log.info("worker %s listening on %s", self.host.peer_id, self.host.addrs[0])
-        self.peer = BroadcastPeer(self.host, ChunkStore(spill_dir=work_dir / "chunks"), cfg.learner)
+        store = ChunkStore(spill_dir=work_dir / "chunks", persist=True)
+        found = store.recover(cfg.learner.rsplit("/p2p/", 1)[-1])  # what a previous run of this worker fetched
+        if found["versions"]:
+            log.info("store: %d versions, %d chunks kept, %d corrupt or truncated chunks deleted (fetched again)",
+                     found["versions"], found["chunks"], found["corrupt"])  # fmt: skip
+        self.peer = BroadcastPeer(self.host, store, cfg.learner)
         self.engine = make_engine(cfg.engine, work_dir / "engine", cfg.threads, cfg.max_batch)
         backoff = 1.0
         try:
@@ -87,6 +94,12 @@ class WorkerDaemon:
                     self.stop.wait(backoff)
                     backoff = min(backoff * 2, 10.0)
                     self.spec = None  # re-join: the learner may have restarted
+                except Unauthorized as exc:  # a wrong secret, or the learner restarted and forgot us
+                    self.state = "not authorized"
+                    log.warning("%s; authenticating again in %.0fs", exc, backoff)
+                    self.spec = None
+                    self.stop.wait(backoff)
+                    backoff = min(backoff * 2, 10.0)
                 except RemoteError as exc:
                     log.warning("learner refused: %s", exc)
                     self.stop.wait(1.0)
@@ -104,13 +117,16 @@ class WorkerDaemon:
     def _step(self) -> None:
         if self.spec is None:
             self.state = "joining"
+            authenticate(self.host, self.cfg.learner, self.secret)
             self.peer.join()
             reply = self._request(SPEC, {})
             self.spec = ModelSpec.from_dict(reply["spec"])
             if reply["run_id"] != self.run_id:  # a new run, or the learner restarted: versions start over
                 self.run_id, self.held, self.version = reply["run_id"], None, -1
-                for version in list(self.peer.store.manifests):  # the old run's v6 is not the new run's v6:
-                    self.peer.store.drop(version)  # never serve its chunks to peers under the same number
+                store = self.peer.store
+                for version, manifest in list(store.manifests.items()):  # the old run's v6 is not the new
+                    if manifest.run_id != self.run_id:  # run's v6: never serve its chunks under that number
+                        store.drop(version)
         self.newest = self._request(HEARTBEAT, self._heartbeat())["newest"]
         if self.newest != self.version:
             self._update()
