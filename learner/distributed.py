@@ -131,6 +131,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
 
             # 1. wait for a batch: P groups generated within the staleness bound (with dynamic sampling:
             #    P groups with signal, plus the groups set aside without it, which count in the metrics)
+            stale: list[int] = []
             if step in replay:  # journaled before the learner stopped: the same groups again
                 batch, set_aside = (
                     [group_of(resumed.groups[g]) for g in replay[step][k]] for k in ("batch", "set_aside")
@@ -141,7 +142,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                     taken = service.buffer.take(grpo.prompts_per_step, version, timeout=1.0)
                     service.leases.expire()
                 batch, set_aside = taken
-                journal.step(step, batch, set_aside)
+                stale = journal.step(step, batch, set_aside)
             seconds["wait"], tick = time.perf_counter() - tick, time.perf_counter()
 
             # 2. one optimizer step on them. The version moves on before the step: leases handed out
@@ -188,6 +189,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                 "seconds": {k: round(v, 4) for k, v in seconds.items()},
                 "batch_groups": [g.group_id for g in batch],
                 "set_aside_groups": [g.group_id for g in set_aside],
+                "stale_groups": stale,
                 "replayed": step in replay,
             }
             if run.record(step, record):

@@ -150,8 +150,9 @@ class RolloutJournal:
         if group_ids:
             self._append({"t": "drop", "groups": list(group_ids)})
 
-    def step(self, step: int, batch: list[ScoredGroup], set_aside: list[ScoredGroup]) -> None:
-        """Record the batch of `step` (trained at version step - 1) before it trains."""
+    def step(self, step: int, batch: list[ScoredGroup], set_aside: list[ScoredGroup]) -> list[int]:
+        """Record the batch of `step` (trained at version step - 1) before it trains; returns the ids of
+        the groups that fell out of the staleness bound (the replay buffer dropped them)."""
         version = step - 1
         with self._lock:
             used = {g.group_id for g in batch + set_aside}
@@ -164,6 +165,7 @@ class RolloutJournal:
             "set_aside": [g.group_id for g in set_aside], "stale": stale,
         }  # fmt: skip
         self._append(record)
+        return stale
 
     def checkpointed(self, step: int) -> None:
         """A checkpoint of `step` is on disk: start a new file holding only what is still pending."""

@@ -46,7 +46,7 @@ class LeaseError(ValueError):
         self.reason = reason
 
 
-CLOSED_KEPT = 100_000  # closed lease ids remembered (to tell a replay from an unknown lease)
+CLOSED_KEPT = 10_000  # closed lease ids remembered (to tell a replay from an unknown lease)
 
 
 class LeaseTable:

@@ -355,10 +355,23 @@ class BroadcastPeer(ChunkServer):
         raw = held[1] if held is not None and chain[0].base_version is not None else None
         for manifest in chain:
             raw = rebuild_raw(manifest, self.fetch(manifest, timeout=timeout, stop=stop), raw)
-        for version in list(self.store.manifests):
-            if version < newest.version and version not in {m.version for m in chain}:
-                self.store.drop(version)
+        self._drop_before_newest_snapshot(newest.version)
         return newest, raw
+
+    def _drop_before_newest_snapshot(self, newest: int) -> None:
+        """Keep what rebuilds `newest` (its full snapshot and the deltas after it), which late joiners
+        fetch from us and a restarted worker reads back from disk; drop older and unfinished versions."""
+        store = self.store
+        complete = {v for v, m in store.manifests.items() if len(store.held(v)) == len(m.chunks)}
+        snapshots = [
+            v
+            for v in complete
+            if v <= newest and store.manifests[v].codec == "full-zstd" and store.manifests[v].adapter_base is None
+        ]
+        start = max(snapshots, default=newest)
+        for version in list(store.manifests):
+            if version < start or (version < newest and version not in complete):
+                store.drop(version)
 
     def fetch_adapters(self, manifest: Manifest, timeout: float = 600.0, stop: threading.Event | None = None) -> bytes:
         """The raw adapters of LoRA version `manifest` (already verified); drops older adapter versions."""

@@ -214,5 +214,6 @@ class WorkerDaemon:
         try:
             self._request(ROLLOUT, payload, timeout=60)
             self.leases_done += 1
+            log.debug("lease %d accepted: groups %s", lease["id"], [g["group"] for g in lease["groups"]])
         except RemoteError as exc:  # e.g. the lease expired while we generated: the work is discarded
             log.warning("rollouts refused: %s", exc)

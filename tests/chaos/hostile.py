@@ -11,8 +11,8 @@ from libp2p.peer.id import ID
 from p2p.host import Host
 
 
-def hostile_host() -> Host:
-    return Host(Ed25519PrivateKey.new()).start()
+def hostile_host(key: Ed25519PrivateKey | None = None) -> Host:
+    return Host(key or Ed25519PrivateKey.new()).start()
 
 
 def send_raw(host: Host, peer: str, protocol: str, data: bytes, timeout: float = 10.0) -> str:

@@ -1,0 +1,106 @@
+"""Chaos: processes killed with SIGKILL at bad moments, and a worker's store damaged while it was down.
+Real learner and llama.cpp worker processes on the tiny model."""
+
+import signal
+import time
+from pathlib import Path
+
+from learner.journal import read_journal
+
+
+def wait_for(condition, timeout: float, what: str, procs=()) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        for name, proc in procs:
+            assert proc.poll() is None, f"{name} exited while waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def steps_done(swarm) -> int:
+    path = swarm.run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def used_groups(metrics: list[dict]) -> set[int]:
+    return {g for m in metrics for g in m["batch_groups"] + m["set_aside_groups"]}
+
+
+def test_learner_killed_and_resumed_loses_no_accepted_rollout_or_step(swarm):
+    args = ("--steps", "30", "--checkpoint-every", "4")
+    learner = swarm.learner(*args)
+    swarm.worker("w1", "--max-groups", "1")
+    swarm.worker("w2", "--max-groups", "1")
+    wait_for(lambda: steps_done(swarm) >= 6, 180, "6 steps", [("learner", learner)])
+    learner.send_signal(signal.SIGKILL)
+    learner.wait(10)
+
+    before = swarm.metrics()
+    checkpoint = max(int(p.name.split("-")[1]) for p in (swarm.run_dir / "checkpoints").glob("step-*"))
+    journal = read_journal(swarm.run_dir, checkpoint)
+    accepted = set(journal.groups) | used_groups([m for m in before if m["step"] <= checkpoint])
+    journaled_steps = {s: r for s, r in journal.steps.items() if s > checkpoint}
+    assert len(before) >= 6 and checkpoint >= 4 and accepted
+
+    resumed = swarm.learner(*args, "--resume")  # workers find it again by themselves (same key and port)
+    assert swarm.wait(resumed, 300) == 0, swarm.log("learner")[-3000:]
+    after = swarm.metrics()
+    assert [m["step"] for m in after] == list(range(1, 31))  # every step once
+    for step, record in journaled_steps.items():  # steps trained but not checkpointed: trained again, same data
+        assert after[step - 1]["replayed"] and after[step - 1]["batch_groups"] == record["batch"]
+    for m in before:  # the steps the checkpoint covers are kept as they were
+        if m["step"] <= checkpoint:
+            assert after[m["step"] - 1]["batch_groups"] == m["batch_groups"]
+    final = read_journal(swarm.run_dir, 30)
+    lost = accepted - used_groups(after) - set(final.pending())
+    stale = before[-1]["stale_dropped"] + after[-1]["stale_dropped"]
+    assert len(lost) <= stale, f"accepted groups neither trained on, set aside, pending nor stale: {sorted(lost)}"
+    last_workers = after[-1]["workers"]
+    assert len(last_workers) == 2 and all(w["groups"] > 0 for w in last_workers.values())  # both came back
+
+
+def corrupt_store(work_dir: Path) -> list[str]:
+    """Flip bytes in one stored chunk and truncate another; returns what was damaged."""
+    chunks = sorted((work_dir / "chunks").glob("v*/*.chunk"))
+    assert len(chunks) >= 2, chunks
+    data = bytearray(chunks[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunks[0].write_bytes(bytes(data))
+    chunks[1].write_bytes(chunks[1].read_bytes()[: chunks[1].stat().st_size // 2])
+    return [str(c) for c in chunks[:2]]
+
+
+def test_worker_killed_mid_chunk_then_its_damaged_store_is_repaired(swarm):
+    # a 30 kB/s learner uplink: the 0.2 MB first version takes seconds to arrive
+    learner = swarm.learner("--steps", "100000", "--upload-bps", "30000")
+    victim = swarm.worker("victim", "-v")
+    manifest = swarm.tmp / "victim" / "chunks" / "v0" / "manifest.msgpack"
+    wait_for(manifest.exists, 120, "the victim to start fetching v0", [("victim", victim)])
+    time.sleep(1.0)
+    victim.send_signal(signal.SIGKILL)  # mid-chunk: it was receiving v0's only chunk
+    victim.wait(10)
+    assert "now on v0" not in swarm.log("victim") and not list(manifest.parent.glob("*.chunk"))
+
+    swarm.worker("steady", "--max-groups", "1")
+    wait_for(lambda: steps_done(swarm) >= 3, 180, "3 steps", [("learner", learner)])
+
+    victim = swarm.worker("victim", "-v")  # same identity and store
+    wait_for(
+        lambda: swarm.log("victim").count("now on v") >= 3, 180, "the victim to follow versions", [("victim", victim)]
+    )
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(10)
+    damaged = corrupt_store(swarm.tmp / "victim")
+
+    victim = swarm.worker(
+        "victim2", "--identity", str(swarm.tmp / "victim.key"), "--work-dir", str(swarm.tmp / "victim")
+    )
+    wait_for(
+        lambda: "now on v" in swarm.log("victim2"), 180, "the restarted victim to load a version", [("victim", victim)]
+    )
+    log = swarm.log("victim2")
+    assert log.count("is corrupt or truncated") == 2 and "2 corrupt or truncated chunks deleted" in log, damaged
+    assert "chunks kept" in log
+    steps = steps_done(swarm)
+    wait_for(lambda: steps_done(swarm) >= steps + 3, 120, "3 more steps", [("learner", learner)])
+    assert learner.poll() is None
