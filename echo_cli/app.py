@@ -132,6 +132,14 @@ def worker_join(
     show_worker(daemon, console)
 
 
+@app.command("secret")
+def secret() -> None:
+    """Print a new random swarm secret: `echo-rl secret > swarm.secret`, then pass --secret-file to all."""
+    import secrets as random_tokens
+
+    print(random_tokens.token_urlsafe(32))
+
+
 @app.command("status")
 def status(
     learner: str | None = typer.Option(None, "--learner", help="The learner's multiaddr."),

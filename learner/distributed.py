@@ -176,6 +176,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                 "groups_accepted": service.buffer.added,
                 "groups_consumed": service.buffer.consumed,
                 "groups_set_aside": service.buffer.set_aside,
+                "groups_dropped_flagged": service.buffer.dropped_flagged,
                 "leases": {
                     "issued": counters.issued,
                     "completed": counters.completed,

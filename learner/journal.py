@@ -140,8 +140,9 @@ class RolloutJournal:
             self.state = JournalState()
             self._rewrite_locked(checkpoint_step, state or JournalState(), keep_steps_after=checkpoint_step)
 
-    def accept(self, group: ScoredGroup) -> None:
-        self._append(group_record(group))
+    def accept(self, groups: list[ScoredGroup]) -> None:
+        """Record accepted groups (one fsync for all of a submission)."""
+        self._append(*[group_record(g) for g in groups])
 
     def issue(self, group_ids: list[int]) -> None:
         self._append({"t": "lease", "groups": list(group_ids)})
@@ -178,12 +179,14 @@ class RolloutJournal:
                 self._file.close()
                 self._file = None
 
-    def _append(self, record: dict[str, Any]) -> None:
-        body = msgpack.packb(record, use_bin_type=True)
+    def _append(self, *records: dict[str, Any]) -> None:
+        bodies = [msgpack.packb(record, use_bin_type=True) for record in records]
         with self._lock:
-            self._write_locked(self._file, body)
+            for body in bodies:
+                self._write_locked(self._file, body)
             self._sync_locked(self._file)
-            self.state.apply(record)
+            for record in records:
+                self.state.apply(record)
 
     def _write_locked(self, f: BinaryIO | None, body: bytes) -> None:
         if f is None:

@@ -306,8 +306,7 @@ class LearnerService:
             self.task, self.policy, [p for p, _ in problems], [ids for _, ids in problems], completions, version
         )
         groups = [ScoredGroup(g, version, peer, rollouts) for g, rollouts in zip(lease.group_ids, scored, strict=True)]
-        for group in groups:  # on disk before the worker hears "accepted" (learner.journal)
-            self.journal.accept(group)
+        self.journal.accept(groups)  # on disk before the worker hears "accepted" (learner.journal)
         for group in groups:
             self.buffer.add(group)
         now = time.monotonic()

@@ -116,15 +116,12 @@ def micro_batches(rollouts: list[Rollout], max_tokens: int) -> list[list[Rollout
     return batches
 
 
-def completion_logprobs(model: torch.nn.Module, batch: list[Rollout], temperature: float) -> torch.Tensor:
-    """log pi(token) for every completion token of `batch`, flat in batch order: [N].
-
-    Only the hidden states that predict completion tokens go through the output layer (a fifth of a
-    small model's compute at a 49k vocabulary), so prompt positions cost no vocabulary projection.
-    """
+def pack_completions(batch: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded prompt + completion ids [B, T], their mask [B, T], and for every completion token
+    the (row, column) of the position whose output predicts it: rows [N], cols [N]."""
     seqs = [r.prompt_ids + r.completion_ids for r in batch]
     width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)  # [B, T] right-padded
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)  # [B, T]
     mask = torch.zeros(len(seqs), width, dtype=torch.long)  # [B, T]
     rows, cols = [], []
     for b, (r, s) in enumerate(zip(batch, seqs, strict=True)):
@@ -133,7 +130,16 @@ def completion_logprobs(model: torch.nn.Module, batch: list[Rollout], temperatur
         start = len(r.prompt_ids) - 1  # the position whose output predicts the first completion token
         rows += [b] * len(r.completion_ids)
         cols += range(start, start + len(r.completion_ids))
-    rows_t, cols_t = torch.tensor(rows), torch.tensor(cols)  # [N], [N]
+    return ids, mask, torch.tensor(rows), torch.tensor(cols)
+
+
+def completion_logprobs(model: torch.nn.Module, batch: list[Rollout], temperature: float) -> torch.Tensor:
+    """log pi(token) for every completion token of `batch`, flat in batch order: [N].
+
+    Only the hidden states that predict completion tokens go through the output layer (a fifth of a
+    small model's compute at a 49k vocabulary), so prompt positions cost no vocabulary projection.
+    """
+    ids, mask, rows_t, cols_t = pack_completions(batch)
     # through the model's own forward (FSDP gathers weights in its hooks), the output layer on one position
     out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1)
     hidden = out.hidden_states[-1]  # [B, T, H] after the final norm

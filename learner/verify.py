@@ -28,7 +28,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from learner.trainer import Rollout
+from learner.trainer import Rollout, pack_completions
 from p2p.codec import bf16_to_f32
 from p2p.messages import is_adapter
 
@@ -63,17 +63,7 @@ def sampler_logprobs(model: torch.nn.Module, batch: list[Rollout], temperature: 
     mu = softmax(logits / T) restricted to the top-p nucleus and renormalised, as worker.sampling draws
     it (-inf outside). With top_p < 1, row 0 is the strict nucleus and row 1 the nucleus one token wider.
     """
-    seqs = [r.prompt_ids + r.completion_ids for r in batch]
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)  # [B, T]
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)  # [B, T]
-    rows, cols = [], []
-    for b, (r, s) in enumerate(zip(batch, seqs, strict=True)):
-        ids[b, : len(s)], mask[b, : len(s)] = torch.tensor(s), 1
-        start = len(r.prompt_ids) - 1
-        rows += [b] * len(r.completion_ids)
-        cols += range(start, start + len(r.completion_ids))
-    rows_t, cols_t = torch.tensor(rows), torch.tensor(cols)
+    ids, mask, rows_t, cols_t = pack_completions(batch)  # [B, T], [B, T], [N], [N]
     logits = model(input_ids=ids, attention_mask=mask).logits[rows_t, cols_t].double() / temperature  # [N, V]
     logp = torch.log_softmax(logits, dim=-1)  # [N, V]
     targets = ids[rows_t, cols_t + 1][:, None]  # [N, 1]

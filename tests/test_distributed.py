@@ -22,7 +22,7 @@ def check_accounting(metrics: list[dict], staleness: int) -> None:
     for m in metrics:
         assert all(int(k) <= staleness for k in m["staleness"]), m["staleness"]
         held = m["groups_consumed"] + m["groups_set_aside"] + m["buffer"]
-        assert m["groups_accepted"] == held + m["stale_dropped"]
+        assert m["groups_accepted"] == held + m["stale_dropped"] + m["groups_dropped_flagged"]
     assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
 
 
@@ -45,39 +45,6 @@ def test_learner_and_two_workers_train(swarm, mode, staleness, wire):
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["skipped"] == []
     check_pngs(swarm.run_dir / "report", PLOTS)
-
-
-def test_killed_worker_lease_is_reissued_and_late_joiner_catches_up(swarm):
-    # the transformers engine is slow enough on long completions that a lease takes about a second
-    learner = swarm.learner("--steps", "100000", "--lease-timeout", "4", "--max-new-tokens", "200")
-    victim = swarm.worker("victim", "--engine", "transformers", "--max-groups", "2", "-v")
-    swarm.worker("steady", "--engine", "transformers", "--max-groups", "1")
-    deadline = time.monotonic() + 120
-    while "lease " not in swarm.log("victim"):
-        assert time.monotonic() < deadline and victim.poll() is None, swarm.log("victim")[-2000:]
-        time.sleep(0.05)
-    victim.send_signal(signal.SIGKILL)  # mid-lease: it was generating
-    while not (swarm.run_dir / "metrics.jsonl").exists() or not swarm.metrics():
-        assert time.monotonic() < deadline and learner.poll() is None, swarm.log("learner")[-2000:]
-        time.sleep(0.2)
-    joined_at = len(swarm.metrics())  # training has begun
-    swarm.worker("late")
-
-    def late_versions() -> list[int]:
-        lines = swarm.log("late").splitlines()
-        return [int(line.split("now on v")[1].split()[0]) for line in lines if "now on v" in line]
-
-    deadline = time.monotonic() + 240
-    while True:
-        assert learner.poll() is None, swarm.log("learner")[-3000:]
-        assert time.monotonic() < deadline, swarm.log("late")[-2000:]
-        metrics = swarm.metrics()
-        expired = metrics[-1]["leases"]["expired"]
-        if expired >= 1 and late_versions() and max(late_versions()) >= joined_at and len(metrics) >= joined_at + 5:
-            break  # the victim's lease went to another worker, and the late worker caught up
-        time.sleep(0.5)
-    check_accounting(swarm.metrics(), 2)
-    assert swarm.metrics()[-1]["leases"]["completed"] > 0
 
 
 def test_worker_reconnects_after_learner_restart(swarm):

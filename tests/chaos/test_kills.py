@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from learner.journal import read_journal
+from tests.test_distributed import check_accounting
 
 
 def wait_for(condition, timeout: float, what: str, procs=()) -> None:
@@ -55,8 +56,47 @@ def test_learner_killed_and_resumed_loses_no_accepted_rollout_or_step(swarm):
     lost = accepted - used_groups(after) - set(final.pending())
     stale = before[-1]["stale_dropped"] + after[-1]["stale_dropped"]
     assert len(lost) <= stale, f"accepted groups neither trained on, set aside, pending nor stale: {sorted(lost)}"
+    print(
+        f"\nlearner killed after step {len(before)} (checkpoint {checkpoint}): {len(journal.pending())} accepted "
+        f"groups back in the buffer, {len(journaled_steps)} steps trained again on their journaled batches, "
+        f"{len(journal.unreturned())} leased groups leased again; {len(accepted)} groups accepted before the kill, "
+        f"{len(lost)} lost, {stale} dropped as stale"
+    )
     last_workers = after[-1]["workers"]
     assert len(last_workers) == 2 and all(w["groups"] > 0 for w in last_workers.values())  # both came back
+
+
+def test_killed_worker_lease_is_reissued_and_late_joiner_catches_up(swarm):
+    # the transformers engine is slow enough on long completions that a lease takes about a second
+    learner = swarm.learner("--steps", "100000", "--lease-timeout", "4", "--max-new-tokens", "200")
+    victim = swarm.worker("victim", "--engine", "transformers", "--max-groups", "2", "-v")
+    swarm.worker("steady", "--engine", "transformers", "--max-groups", "1")
+    deadline = time.monotonic() + 120
+    while "lease " not in swarm.log("victim"):
+        assert time.monotonic() < deadline and victim.poll() is None, swarm.log("victim")[-2000:]
+        time.sleep(0.05)
+    victim.send_signal(signal.SIGKILL)  # mid-lease: it was generating
+    while not (swarm.run_dir / "metrics.jsonl").exists() or not swarm.metrics():
+        assert time.monotonic() < deadline and learner.poll() is None, swarm.log("learner")[-2000:]
+        time.sleep(0.2)
+    joined_at = len(swarm.metrics())  # training has begun
+    swarm.worker("late")
+
+    def late_versions() -> list[int]:
+        lines = swarm.log("late").splitlines()
+        return [int(line.split("now on v")[1].split()[0]) for line in lines if "now on v" in line]
+
+    deadline = time.monotonic() + 240
+    while True:
+        assert learner.poll() is None, swarm.log("learner")[-3000:]
+        assert time.monotonic() < deadline, swarm.log("late")[-2000:]
+        metrics = swarm.metrics()
+        expired = metrics[-1]["leases"]["expired"]
+        if expired >= 1 and late_versions() and max(late_versions()) >= joined_at and len(metrics) >= joined_at + 5:
+            break  # the victim's lease went to another worker, and the late worker caught up
+        time.sleep(0.5)
+    check_accounting(swarm.metrics(), 2)
+    assert swarm.metrics()[-1]["leases"]["completed"] > 0
 
 
 def corrupt_store(work_dir: Path) -> list[str]:
