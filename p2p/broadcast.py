@@ -216,10 +216,18 @@ class ChunkServer:
             raise BadRequest(f"version {version!r} is not held here")
         return {"manifest": versions[version].to_dict(), "versions": sorted(versions)}
 
+    def _same_run(self, version: int, run_id: object) -> bool:
+        """Whether our `version` is the asker's (a learner restart numbers versions from the checkpoint
+        again, so a peer that has not noticed yet holds another run's v6; requests name their run)."""
+        manifest = self.store.manifests.get(version)
+        return run_id is None or manifest is None or manifest.run_id == run_id
+
     def _on_chunk(self, peer: str, msg: dict) -> dict:
         version, index = msg.get("version"), msg.get("index")
         if not isinstance(version, int) or not isinstance(index, int):
-            raise BadRequest("chunk request needs integer version and index")
+            raise Misbehaviour("chunk request needs integer version and index")
+        if not self._same_run(version, msg.get("run_id")):
+            raise BadRequest(f"version {version} here belongs to another run")
         data = self.store.get(version, index)
         if data is None:
             raise BadRequest(f"chunk {index} of version {version} is not held here")
@@ -229,7 +237,7 @@ class ChunkServer:
     def _on_have(self, peer: str, msg: dict) -> dict:
         version = msg.get("version")
         manifest = self.store.manifests.get(version) if isinstance(version, int) else None
-        if manifest is None:
+        if manifest is None or not self._same_run(version, msg.get("run_id")):
             return {"have": None}
         n = len(manifest.chunks)
         if isinstance(msg.get("have"), bytes):
@@ -438,7 +446,7 @@ class BroadcastPeer(ChunkServer):
                     raise RemoteError(f"version {version} is no longer held by the learner")
                 if (have_future is None or have_future.done()) and time.monotonic() - last_have > HAVE_REFRESH:
                     last_have = time.monotonic()
-                    have_future = pool.submit(self._exchange_have_maps, version, n, held)
+                    have_future = pool.submit(self._exchange_have_maps, manifest, held)
 
                 with done:
                     for index, source in self._choose(version, n, held, inflight, per_peer, failed, share, rng):
@@ -489,7 +497,8 @@ class BroadcastPeer(ChunkServer):
         version = manifest.version
         digest, size = manifest.chunks[index]
         try:
-            data = self.host.request(source, CHUNK, {"version": version, "index": index}, timeout=60)["data"]
+            request = {"version": version, "index": index, "run_id": manifest.run_id}
+            data = self.host.request(source, CHUNK, request, timeout=60)["data"]
             if not isinstance(data, bytes) or len(data) != size or sha256(data) != digest:
                 self.penalties[source] += 1
                 self.stats["bad_chunks"] += 1
@@ -515,17 +524,19 @@ class BroadcastPeer(ChunkServer):
                 per_peer[source] -= 1
                 done.notify_all()
 
-    def _exchange_have_maps(self, version: int, n: int, held: set[int]) -> None:
+    def _exchange_have_maps(self, manifest: Manifest, held: set[int]) -> None:
+        version, n = manifest.version, len(manifest.chunks)
         mine = bitmap(held, n)
+        ask = {"version": version, "have": mine, "run_id": manifest.run_id}
         try:  # the learner only records it (for `echo-rl status`); its own map is all ones
-            self.host.request(self.learner_addr, HAVE, {"version": version, "have": mine}, timeout=5)
+            self.host.request(self.learner_addr, HAVE, ask, timeout=5)
         except (PeerUnavailable, RemoteError):
             pass
         for peer in list(self.peers):
             if not self._alive(peer):
                 continue
             try:
-                reply = self.host.request(peer, HAVE, {"version": version, "have": mine}, timeout=5)
+                reply = self.host.request(peer, HAVE, ask, timeout=5)
                 if isinstance(reply.get("have"), bytes):
                     self.peer_have[peer][version] = from_bitmap(reply["have"], n)
                 else:  # the peer is not fetching this version (it moved on, or has not seen it)

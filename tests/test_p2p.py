@@ -214,7 +214,7 @@ def test_tampered_chunk_is_detected_and_fetched_elsewhere(hosts):
     honest = BroadcastPeer(hosts(), ChunkStore(), learner.addrs[0])
     honest.join()
     assert evil_host.peer_id in honest.peers
-    honest._exchange_have_maps(1, len(pv.chunks), set())  # learns that the evil peer holds everything
+    honest._exchange_have_maps(pv.manifest, set())  # learns that the evil peer holds everything
     m = honest.fetch_manifest()
     assert rebuild_raw(m, honest.fetch(m, timeout=60)) == raw
     assert honest.stats["bad_chunks"] >= 1
@@ -256,3 +256,16 @@ def test_chunk_request_for_missing_chunk_is_an_error_reply(hosts):
         other.request(learner.addrs[0], CHUNK, {"version": 9, "index": 0})
     with pytest.raises(RemoteError, match="integer"):
         other.request(learner.peer_id, CHUNK, {"version": "x"})
+
+
+def test_chunks_of_another_run_are_not_served_under_the_same_version(hosts):
+    server, client = hosts(), hosts()
+    pv, _ = random_version(server.key, server.peer_id, mb=1)  # run id "run"
+    store = ChunkStore()
+    store.add_version(pv)
+    ChunkServer(server, store)
+    ask = {"version": 1, "index": 0}
+    assert client.request(server.addrs[0], CHUNK, {**ask, "run_id": "run"})["data"] == pv.chunks[0]
+    with pytest.raises(RemoteError, match="another run"):  # a restarted learner's v1 is not this v1
+        client.request(server.peer_id, CHUNK, {**ask, "run_id": "restarted"})
+    assert client.request(server.peer_id, "/echo/have/1", {"version": 1, "run_id": "restarted"}) == {"have": None}
