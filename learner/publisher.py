@@ -49,8 +49,9 @@ class Publisher:
     Workers hold 16-bit weights: f16 (the default: the precision of the sampler's F16 GGUF, so workers
     sample from the very weights a co-located sampler would) or bf16 (deltas about 40% smaller).
     The first publication and every `full_every`-th one is a full snapshot;
-    the others are XOR deltas against the previous publication. Versions older than the newest full
-    snapshot are dropped from the store: a late joiner needs that snapshot and the deltas after it.
+    the others are XOR deltas against the previous publication. Versions older than the full snapshot
+    before the newest are dropped from the store: a late joiner needs the newest snapshot and the deltas
+    after it, and a worker still fetching the previous chain can finish it.
     A short announcement goes out on GossipSub; workers that miss it find the version by polling.
 
     LoRA runs (`lora`): the first publication is a full snapshot (frozen base and adapters); every later
@@ -76,6 +77,7 @@ class Publisher:
         self.chunk_size = chunk_size
         self.published = 0
         self.previous: tuple[int, bytes] | None = None  # (version, raw bf16 bytes) of the last publication
+        self.last_full: int | None = None  # the newest full snapshot
 
     def snapshot(self, model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, np.ndarray]:
         """The model's weights in the wire format (see wire_tensors); LoRA runs: adapters only after the base."""
@@ -94,9 +96,10 @@ class Publisher:
         pv.manifest = pv.manifest.signed(host.key, host.peer_id)
         self.seeder.publish(pv)
         store = self.seeder.store
-        if full:
-            for old in [v for v in store.manifests if v < version]:
+        if full:  # keep the chain before this snapshot too: a worker mid-way through it can finish
+            for old in [v for v in store.manifests if self.last_full is not None and v < self.last_full]:
                 store.drop(old)
+            self.last_full = version
         if adapter:  # a worker mid-fetch may still want the one before
             for old in sorted(v for v in store.manifests if v != self.base)[:-2]:
                 store.drop(old)

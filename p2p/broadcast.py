@@ -214,7 +214,16 @@ class ChunkServer:
             version = max(versions)
         if not isinstance(version, int) or version not in versions:
             raise BadRequest(f"version {version!r} is not held here")
-        return {"manifest": versions[version].to_dict(), "versions": sorted(versions)}
+        reply = {"manifest": versions[version].to_dict(), "versions": sorted(versions)}
+        since = msg.get("since")
+        if "since" in msg and (since is None or isinstance(since, int)):
+            # the manifests that rebuild `version` from `since` (or from a full snapshot), in one round trip
+            chain, m = [], versions[version]
+            while m.base_version is not None and m.base_version != since and m.base_version in versions:
+                m = versions[m.base_version]
+                chain.insert(0, m.to_dict())
+            reply["chain"] = chain
+        return reply
 
     def _same_run(self, version: int, run_id: object) -> bool:
         """Whether our `version` is the asker's (a learner restart numbers versions from the checkpoint
@@ -325,12 +334,24 @@ class BroadcastPeer(ChunkServer):
         return self._manifest_and_versions(version, timeout)[0]
 
     def _manifest_and_versions(self, version: int | None, timeout: float) -> tuple[Manifest, list[int]]:
-        reply = self.host.request(self.learner, MANIFEST, {"version": version}, timeout=timeout)
+        manifest, versions, _ = self._manifest_chain(version, timeout)
+        return manifest, versions
+
+    def _manifest_chain(
+        self, version: int | None, timeout: float, since: int | None = None, want_chain: bool = False
+    ) -> tuple[Manifest, list[int], list[Manifest]]:
+        """The learner's manifest of `version` (newest if None), the versions it holds, and (want_chain)
+        the manifests before it that rebuild it from `since` or a full snapshot; all signature-checked."""
+        ask = {"version": version, **({"since": since} if want_chain else {})}
+        reply = self.host.request(self.learner, MANIFEST, ask, timeout=timeout)
         manifest = Manifest.from_dict(reply["manifest"])
         manifest.verify(self.learner)
-        self.store.add_manifest(manifest)
+        chain = [Manifest.from_dict(m) for m in reply.get("chain", [])[:1000]]
+        for m in [manifest, *chain]:
+            m.verify(self.learner)
+            self.store.add_manifest(m)
         versions = [v for v in reply.get("versions", []) if isinstance(v, int)]
-        return manifest, versions
+        return manifest, versions, chain
 
     def sync(
         self,
@@ -348,21 +369,28 @@ class BroadcastPeer(ChunkServer):
         """
         from p2p.versions import rebuild_raw
 
-        newest, versions = self._manifest_and_versions(version, timeout=10)
+        since = held[0] if held is not None else None
+        newest, versions, before = self._manifest_chain(version, timeout=10, since=since, want_chain=True)
         if newest.adapter_base is not None:
             raise RemoteError(f"version {newest.version} holds LoRA adapters: sync to v{newest.adapter_base} first")
         if held is not None and held[0] == newest.version:
             return None
         if held is not None and held[0] > newest.version:
             held = None  # the learner went back (restarted from a checkpoint): start from a full snapshot
-        chain = [newest]
+        chain = [*before, newest]
+        for a, b in zip(chain, chain[1:], strict=False):
+            if b.base_version != a.version:
+                raise RemoteError(f"the learner sent a broken chain of versions ({a.version} then {b.version})")
         while chain[0].base_version is not None and (held is None or chain[0].base_version != held[0]):
-            if chain[0].base_version not in versions:
+            if chain[0].base_version not in versions:  # (a learner that sends no chain: walk back)
                 raise RemoteError(f"the learner no longer holds version {chain[0].base_version} of the chain")
             chain.insert(0, self._manifest_and_versions(chain[0].base_version, timeout=10)[0])
+        # every version's chunks at once (a slow link pays its round trips once, not once per version)
+        with ThreadPoolExecutor(max_workers=min(len(chain), 4), thread_name_prefix="chain") as pool:
+            fetched = list(pool.map(lambda m: self.fetch(m, timeout=timeout, stop=stop), chain))
         raw = held[1] if held is not None and chain[0].base_version is not None else None
-        for manifest in chain:
-            raw = rebuild_raw(manifest, self.fetch(manifest, timeout=timeout, stop=stop), raw)
+        for manifest, chunks in zip(chain, fetched, strict=True):
+            raw = rebuild_raw(manifest, chunks, raw)
         self._drop_before_newest_snapshot(newest.version)
         return newest, raw
 

@@ -163,16 +163,18 @@ class WorkerDaemon:
         """
         tick = time.perf_counter()
         self.state = f"fetching v{self.newest}"
-        newest = self.peer.fetch_manifest()
-        base = newest.version if newest.adapter_base is None else newest.adapter_base
-        if self.held is None or self.held[0] != base:
+        # LoRA: adapters on a base that stays; otherwise the newest weights, whichever version that is by
+        # the time the learner answers (pinning a version a fast learner has dropped since would livelock)
+        newest = self.peer.fetch_manifest() if self.spec.lora_rank else None
+        base = None if newest is None else newest.version if newest.adapter_base is None else newest.adapter_base
+        if base is None or self.held is None or self.held[0] != base:
             result = self.peer.sync(self.held, stop=self.stop, version=base)
             if result is not None:
                 manifest, raw = result
                 self.engine.load_policy(self.spec, self._floats(manifest, raw))
                 self.held = (manifest.version, raw)
                 self.version = manifest.version
-        if newest.adapter_base is not None and newest.version != self.version:
+        if newest is not None and newest.adapter_base is not None and newest.version != self.version:
             raw = self.peer.fetch_adapters(newest, stop=self.stop)
             self.engine.load_adapters(self.spec, self._floats(newest, raw))
             self.version = newest.version
