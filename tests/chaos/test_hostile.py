@@ -124,6 +124,12 @@ def test_hostile_peers_are_refused_penalised_and_banned_while_training_goes_on(s
         assert workers and all(p["flagged"] is None and p["verified"] >= 1 for p in workers)
         assert sum(p["groups_accepted"] for p in workers) >= 3
         verification = status["verification"]
+        print(
+            f"\npenalties {penalties}; banned {len(status['banned'])} peers; flagged: "
+            f"{list(verification['flagged'].values())}; {verification['groups_checked']} groups verified, median "
+            f"divergence {verification['divergence_median']:.5f}; {len(workers)} honest worker(s) trained "
+            f"{status['step']} steps meanwhile"
+        )
         assert verification["divergence_median"] < 0.02 < verification["divergence_max"]  # honest ones; the forger
     finally:
         for h in hosts:

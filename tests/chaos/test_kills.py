@@ -144,3 +144,7 @@ def test_worker_killed_mid_chunk_then_its_damaged_store_is_repaired(swarm):
     steps = steps_done(swarm)
     wait_for(lambda: steps_done(swarm) >= steps + 3, 120, "3 more steps", [("learner", learner)])
     assert learner.poll() is None
+    store_line = next(line for line in log.splitlines() if "store: " in line)
+    print(
+        f"\nvictim killed mid-chunk, no chunk stored; restarted after damage: {store_line.split('store: ')[1].strip()}"
+    )

@@ -54,6 +54,8 @@ def test_a_peer_serving_corrupted_chunks_is_penalised_and_avoided(swarm):
         log = swarm.log("w1")
         assert "failed its hash check; penalised" in log  # it tried the liar, threw the chunk away
         assert log.count("now on v") >= 5  # and kept following versions from the learner
+        print(f"\n{log.count('failed its hash check')} corrupted chunks detected and penalised, "
+              f"{log.count('now on v')} versions loaded, {steps_done(swarm)} steps")  # fmt: skip
     finally:
         stop.set()
         evil.stop()
@@ -143,5 +145,7 @@ def test_worker_cut_off_from_the_learner_but_not_its_peers(swarm):
         relay.restore()
         wait_for(lambda: swarm.log("cut").count("now on v") > versions_before, 120, "the worker to come back", procs)
         wait_for(lambda: groups() > groups_before, 120, "its rollouts accepted again", procs)
+        print(f"\ncut at step {at_cut}; {steps_done(swarm) - at_cut} steps since; the cut worker came back and "
+              f"has {groups()} groups accepted ({groups_before} before the link returned)")  # fmt: skip
     finally:
         relay.close()
