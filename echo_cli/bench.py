@@ -227,13 +227,18 @@ def run_verify_bench(
 
     def divergences(groups: list[list], forge=lambda lps, r: lps) -> list[float]:
         out = []
-        for i, (prompt, group) in enumerate(zip(prompt_ids, groups, strict=True)):
+        for i, (prompt, group) in enumerate(zip(prompt_ids[: len(groups)], groups, strict=True)):
             r = np.random.default_rng(i)
             rollouts = [Rollout(prompt, c.tokens, forge(list(c.logprobs), r), 0.0, 0.0, 0) for c in group]
             out.append(verifier.check("bench", 0, rollouts))
         return out
 
     honest_groups = sample(tensors)
+    torch.set_num_threads(threads)
+    divergences(honest_groups[:1])  # warm-up: builds the verifier's model
+    tick = time.perf_counter()
+    honest = divergences(honest_groups)
+    check_s = (time.perf_counter() - tick) / len(honest_groups)
     noise = np.random.default_rng(7)
     perturbed = {
         n: (a.astype(np.float32) * (1 + 0.01 * noise.standard_normal(a.shape))).astype(a.dtype)
@@ -241,7 +246,7 @@ def run_verify_bench(
         for n, a in tensors.items()
     }  # fmt: skip
     rows = {
-        "honest": divergences(honest_groups),
+        "honest": honest,
         "all logprobs 0": divergences(honest_groups, lambda lps, r: [0.0] * len(lps)),
         "halved": divergences(honest_groups, lambda lps, r: [x / 2 for x in lps]),
         "shuffled": divergences(honest_groups, lambda lps, r: list(r.permutation(lps))),
@@ -250,11 +255,11 @@ def run_verify_bench(
         ),
         "other policy (1% weight noise)": divergences(sample(perturbed)),
     }
-    torch.set_num_threads(threads)
     tokens = sum(len(c.tokens) for g in honest_groups for c in g)
     result = {
         "model": model, "prompts": prompts, "group_size": group_size, "max_new_tokens": max_new_tokens,
         "top_p": top_p, "wire_dtype": wire_dtype, "honest_tokens": tokens,
+        "seconds_per_group_checked": round(check_s, 3),
         "divergence": {k: {"min": round(min(v), 5), "median": round(float(np.median(v)), 5), "max": round(max(v), 5)}
                        for k, v in rows.items()},
     }  # fmt: skip
@@ -267,4 +272,7 @@ def run_verify_bench(
     for name, d in result["divergence"].items():
         table.add_row(name, f"{d['min']:.5f}", f"{d['median']:.5f}", f"{d['max']:.5f}")
     Console().print(table)
+    Console().print(
+        f"verifying one group of {group_size} took {check_s:.3f} s ({tokens / len(honest_groups):.0f} tokens)"
+    )
     return result
