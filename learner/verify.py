@@ -64,7 +64,9 @@ def sampler_logprobs(model: torch.nn.Module, batch: list[Rollout], temperature: 
     it (-inf outside). With top_p < 1, row 0 is the strict nucleus and row 1 the nucleus one token wider.
     """
     ids, mask, rows_t, cols_t = pack_completions(batch)  # [B, T], [B, T], [N], [N]
-    logits = model(input_ids=ids, attention_mask=mask).logits[rows_t, cols_t].double() / temperature  # [N, V]
+    # the output layer only at completion positions (as learner.trainer.completion_logprobs)
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1)
+    logits = model.lm_head(out.hidden_states[-1][rows_t, cols_t]).double() / temperature  # [N, V]
     logp = torch.log_softmax(logits, dim=-1)  # [N, V]
     targets = ids[rows_t, cols_t + 1][:, None]  # [N, 1]
     if top_p >= 1.0:
