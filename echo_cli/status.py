@@ -66,7 +66,7 @@ def render(doc: dict) -> Group:
         if not active:
             notes.append(f"{p['peer_id'][-8:]}: {p.get('activity', '')}")
         if p.get("flagged"):
-            active, notes = False, [*notes, f"{p['peer_id'][-8:]} flagged: {p['flagged']}"]
+            notes.append(f"{p['peer_id'][-8:]} flagged: {p['flagged']}")
         peers.add_row(
             p["peer_id"][-8:], short_addr(p.get("addr")),
             "[red]flagged[/]" if p.get("flagged") else "active" if active else "[yellow]inactive[/]",

@@ -60,7 +60,6 @@ class JournalState:
     issued: set[int] = field(default_factory=set)  # group ids leased out
     consumed: set[int] = field(default_factory=set)  # group ids in a journaled batch, set aside or stale
     next_group: int = 0  # the next prompt group id to lease
-    torn: int = 0  # records cut short by a crash (never acknowledged to anyone)
 
     def apply(self, record: dict[str, Any]) -> None:
         kind = record.get("t")
@@ -115,7 +114,8 @@ def read_journal(run_dir: Path, checkpoint_step: int) -> JournalState:
     records, torn = read_records(files[-1][1])
     for record in records:
         state.apply(record)
-    state.torn = int(torn > 0)
+    if torn:  # written when the learner died: its worker was never told "accepted"
+        log.info("journal: a record cut short by the crash (%d bytes) is ignored", torn)
     return state
 
 
@@ -137,8 +137,7 @@ class RolloutJournal:
     def open(self, checkpoint_step: int, state: JournalState | None = None) -> None:
         """Start the file of checkpoint `checkpoint_step` from `state` (a resumed run's journal)."""
         with self._lock:
-            self.state = JournalState()
-            self._rewrite_locked(checkpoint_step, state or JournalState(), keep_steps_after=checkpoint_step)
+            self._rewrite_locked(checkpoint_step, state or JournalState())
 
     def accept(self, groups: list[ScoredGroup]) -> None:
         """Record accepted groups (one fsync for all of a submission)."""
@@ -171,7 +170,7 @@ class RolloutJournal:
     def checkpointed(self, step: int) -> None:
         """A checkpoint of `step` is on disk: start a new file holding only what is still pending."""
         with self._lock:
-            self._rewrite_locked(step, self.state, keep_steps_after=step)
+            self._rewrite_locked(step, self.state)
 
     def close(self) -> None:
         with self._lock:
@@ -198,12 +197,12 @@ class RolloutJournal:
         if self.fsync:
             os.fsync(f.fileno())
 
-    def _rewrite_locked(self, step: int, old: JournalState, keep_steps_after: int) -> None:
-        """Write journal file `step` from `old`: pending groups, groups of steps after `keep_steps_after`,
+    def _rewrite_locked(self, step: int, old: JournalState) -> None:
+        """Write journal file `step` (a checkpoint's) from `old`: pending groups, groups of steps after it,
         those steps, unreturned leases. Then delete every other file."""
         new = JournalState()
         records: list[dict[str, Any]] = []
-        later = [old.steps[s] for s in sorted(old.steps) if s > keep_steps_after]
+        later = [old.steps[s] for s in sorted(old.steps) if s > step]
         needed = set(old.pending()) | {g for r in later for g in r["batch"] + r["set_aside"] if g in old.groups}
         records += [old.groups[g] for g in sorted(needed)]
         records.append({"t": "lease", "groups": old.unreturned(), "next": old.next_group})

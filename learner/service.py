@@ -329,8 +329,9 @@ class LearnerService:
                 continue
             prompt = self.problem(group_id)[1]
             rollouts = [Rollout(prompt, c.tokens, c.logprobs, 0.0, 0.0, version) for c in completions]
-            d = self.verifier.check(peer, version, rollouts)
-            if d is not None and peer in self.verifier.flagged:
+            # None: the claimed version left the window of kept weights, so the group is too stale to train on
+            self.verifier.check(peer, version, rollouts)
+            if peer in self.verifier.flagged:
                 self.leases.requeue_lease(lease_id)
                 dropped = self.buffer.drop_worker(peer)
                 self.journal.drop([g.group_id for g in dropped])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from collections import deque
 from collections.abc import Mapping
 
 import numpy as np
@@ -106,7 +107,7 @@ class RolloutVerifier:
         self.keep = keep  # versions kept besides a LoRA base: staleness + publish_every + 1 is enough
         self.versions: dict[int, tuple[dict[str, np.ndarray], int | None]] = {}  # v -> (wire tensors, adapter base)
         self.checked: dict[str, int] = {}  # worker -> groups verified
-        self.divergences: list[float] = []  # of every verified group (recent ones), for status and docs
+        self.divergences: deque[float] = deque(maxlen=1000)  # of the newest verified groups, for status
         self.flagged: dict[str, str] = {}  # worker -> why
         self._rng = random.Random(seed)
         self._model: torch.nn.Module | None = None
@@ -144,7 +145,7 @@ class RolloutVerifier:
                 recomputed = sampler_logprobs(self._model, group, self.temperature, self.top_p)
             d = divergence([lp for r in group for lp in r.behaviour_logprobs], recomputed)
             self.checked[worker] = self.checked.get(worker, 0) + 1
-            self.divergences = [*self.divergences[-999:], d]
+            self.divergences.append(d)
             if d > self.tolerance:
                 self.flagged[worker] = (
                     f"logprobs diverge from v{version} by {d:.3f} nats/token (tolerance {self.tolerance})"

@@ -69,7 +69,6 @@ class SwarmAuth:
         self.authorized: set[str] = set()
         self._nonces: dict[bytes, tuple[str, float]] = {}  # nonce -> (peer it was given to, when)
         self._lock = threading.Lock()
-        self.failures = 0
 
     @property
     def enabled(self) -> bool:
@@ -106,7 +105,6 @@ class SwarmAuth:
         if given is None or given[0] != peer:
             raise BadRequest("unknown or expired nonce: ask for a new one")
         if not hmac.compare_digest(answer, proof(self.secret, nonce, self.learner, peer)):
-            self.failures += 1
             raise Misbehaviour("wrong swarm secret")
         with self._lock:
             self.authorized.add(peer)

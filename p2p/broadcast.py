@@ -13,7 +13,8 @@ from other peers at once, and serves every chunk it holds while it is still down
 
 Have-maps travel both ways in one /echo/have/1 request: the asker sends its map and gets the other's.
 
-Protocols: /echo/manifest/1 (newest or given version), /echo/chunk/1, /echo/have/1, /echo/join/1
+Protocols: /echo/manifest/1 (newest or given version; with "since", the manifests before it that rebuild
+it from that version or a full snapshot), /echo/chunk/1, /echo/have/1, /echo/join/1
 (register with the learner, get the peer list).
 """
 
@@ -214,7 +215,7 @@ class ChunkServer:
             version = max(versions)
         if not isinstance(version, int) or version not in versions:
             raise BadRequest(f"version {version!r} is not held here")
-        reply = {"manifest": versions[version].to_dict(), "versions": sorted(versions)}
+        reply = {"manifest": versions[version].to_dict()}
         since = msg.get("since")
         if "since" in msg and (since is None or isinstance(since, int)):
             # the manifests that rebuild `version` from `since` (or from a full snapshot), in one round trip
@@ -331,27 +332,19 @@ class BroadcastPeer(ChunkServer):
 
     def fetch_manifest(self, version: int | None = None, timeout: float = 10.0) -> Manifest:
         """The learner's newest (or given) manifest, checked against the learner's key."""
-        return self._manifest_and_versions(version, timeout)[0]
+        return self._manifests(version, timeout)[-1]
 
-    def _manifest_and_versions(self, version: int | None, timeout: float) -> tuple[Manifest, list[int]]:
-        manifest, versions, _ = self._manifest_chain(version, timeout)
-        return manifest, versions
-
-    def _manifest_chain(
-        self, version: int | None, timeout: float, since: int | None = None, want_chain: bool = False
-    ) -> tuple[Manifest, list[int], list[Manifest]]:
-        """The learner's manifest of `version` (newest if None), the versions it holds, and (want_chain)
-        the manifests before it that rebuild it from `since` or a full snapshot; all signature-checked."""
-        ask = {"version": version, **({"since": since} if want_chain else {})}
+    def _manifests(self, version: int | None, timeout: float, chain_since: int | None | bool = False) -> list[Manifest]:
+        """The learner's manifest of `version` (newest if None), last; before it, with `chain_since` (a
+        version held, or None for none), the manifests that rebuild it from there or from a full snapshot,
+        oldest first. All checked against the learner's key and added to the store."""
+        ask = {"version": version} if chain_since is False else {"version": version, "since": chain_since}
         reply = self.host.request(self.learner, MANIFEST, ask, timeout=timeout)
-        manifest = Manifest.from_dict(reply["manifest"])
-        manifest.verify(self.learner)
-        chain = [Manifest.from_dict(m) for m in reply.get("chain", [])[:1000]]
-        for m in [manifest, *chain]:
+        manifests = [Manifest.from_dict(m) for m in [*reply.get("chain", [])[:1000], reply["manifest"]]]
+        for m in manifests:
             m.verify(self.learner)
             self.store.add_manifest(m)
-        versions = [v for v in reply.get("versions", []) if isinstance(v, int)]
-        return manifest, versions, chain
+        return manifests
 
     def sync(
         self,
@@ -369,22 +362,19 @@ class BroadcastPeer(ChunkServer):
         """
         from p2p.versions import rebuild_raw
 
-        since = held[0] if held is not None else None
-        newest, versions, before = self._manifest_chain(version, timeout=10, since=since, want_chain=True)
+        chain = self._manifests(version, timeout=10, chain_since=held[0] if held is not None else None)
+        newest = chain[-1]
         if newest.adapter_base is not None:
             raise RemoteError(f"version {newest.version} holds LoRA adapters: sync to v{newest.adapter_base} first")
         if held is not None and held[0] == newest.version:
             return None
         if held is not None and held[0] > newest.version:
             held = None  # the learner went back (restarted from a checkpoint): start from a full snapshot
-        chain = [*before, newest]
         for a, b in zip(chain, chain[1:], strict=False):
             if b.base_version != a.version:
                 raise RemoteError(f"the learner sent a broken chain of versions ({a.version} then {b.version})")
-        while chain[0].base_version is not None and (held is None or chain[0].base_version != held[0]):
-            if chain[0].base_version not in versions:  # (a learner that sends no chain: walk back)
-                raise RemoteError(f"the learner no longer holds version {chain[0].base_version} of the chain")
-            chain.insert(0, self._manifest_and_versions(chain[0].base_version, timeout=10)[0])
+        if chain[0].base_version is not None and (held is None or chain[0].base_version != held[0]):
+            raise RemoteError(f"the learner no longer holds version {chain[0].base_version} of the chain")
         # every version's chunks at once (a slow link pays its round trips once, not once per version)
         with ThreadPoolExecutor(max_workers=min(len(chain), 4), thread_name_prefix="chain") as pool:
             fetched = list(pool.map(lambda m: self.fetch(m, timeout=timeout, stop=stop), chain))

@@ -88,18 +88,13 @@ class WorkerDaemon:
                 try:
                     self._step()
                     backoff = 1.0
-                except PeerUnavailable as exc:
-                    self.state = "learner unreachable"
-                    log.warning("learner unreachable (%s); retrying in %.0fs", exc, backoff)
+                except (PeerUnavailable, Unauthorized) as exc:  # Unauthorized: a wrong secret, or a
+                    # restarted learner that forgot us; either way join again (and authenticate) later
+                    self.state = "not authorized" if isinstance(exc, Unauthorized) else "learner unreachable"
+                    log.warning("%s (%s); retrying in %.0fs", self.state, exc, backoff)
                     self.stop.wait(backoff)
                     backoff = min(backoff * 2, 10.0)
-                    self.spec = None  # re-join: the learner may have restarted
-                except Unauthorized as exc:  # a wrong secret, or the learner restarted and forgot us
-                    self.state = "not authorized"
-                    log.warning("%s; authenticating again in %.0fs", exc, backoff)
                     self.spec = None
-                    self.stop.wait(backoff)
-                    backoff = min(backoff * 2, 10.0)
                 except RemoteError as exc:
                     log.warning("learner refused: %s", exc)
                     self.stop.wait(1.0)
