@@ -129,7 +129,10 @@ def worker_join(
     except user_errors() as exc:
         raise fail(str(exc)) from None
     daemon.install_signal_handlers()
-    show_worker(daemon, console)
+    try:
+        show_worker(daemon, console)
+    except user_errors() as exc:  # e.g. a --max-batch below the learner's group size, found on joining
+        raise fail(str(exc)) from None
 
 
 @app.command("secret")

@@ -37,7 +37,7 @@ def run_sampler_bench(
     ours.load_policy(model_spec(policy), export_tensors(policy.model))
     gguf_path = f"{work}/policy.gguf"
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=0)
-    requests = [GenerationRequest(p, group_size) for p in prompt_ids]
+    requests = [GenerationRequest(p, group_size, k) for k, p in enumerate(prompt_ids)]
     ours.generate(requests[:1], SamplingParams(1.0, 1.0, 4, 0))  # warm-up: context creation
     t = time.perf_counter()
     groups = ours.generate(requests, params)
@@ -141,7 +141,8 @@ def run_codec_bench(model: str, lrs: list[float], steps: int, cache_dir: str, js
             engine.load_policy(spec, export_tensors(policy.model))
             problems = [task.sample(rng) for _ in range(4)]
             prompts = [policy.render_prompt(p.prompt) for p in problems]
-            groups = engine.generate([GenerationRequest(p, 8) for p in prompts], SamplingParams(1.0, 1.0, 48, step))
+            requests = [GenerationRequest(p, 8, k) for k, p in enumerate(prompts)]
+            groups = engine.generate(requests, SamplingParams(1.0, 1.0, 48, step))
             scored = score_groups(task, policy, problems, prompts, groups, version=step - 1)
             trainer.step([r for g in scored for r in g])
             pv, raw, enc, dec = bf16_version(policy, step, (step - 1, previous))
@@ -221,7 +222,7 @@ def run_verify_bench(
         engine = LlamaCppEngine(tempfile.mkdtemp(prefix="echo-verify-"), threads=threads, max_batch=32)
         engine.load_policy(spec, {n: to_float(a).numpy() for n, a in weights.items()})
         params = SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=max_new_tokens, seed=1)
-        groups = engine.generate([GenerationRequest(p, group_size) for p in prompt_ids], params)
+        groups = engine.generate([GenerationRequest(p, group_size, k) for k, p in enumerate(prompt_ids)], params)
         engine.close()
         return groups
 

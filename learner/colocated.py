@@ -57,7 +57,9 @@ def train_colocated(cfg: LearnerConfig, engine: Sampler, resume: bool = False) -
                 step_seed(cfg.run.seed + 1 + round_, step),
             )
             tick = time.perf_counter()
-            groups = engine.generate([GenerationRequest(p, cfg.grpo.group_size) for p in prompts], params)
+            groups = engine.generate(
+                [GenerationRequest(p, cfg.grpo.group_size, k) for k, p in enumerate(prompts)], params
+            )
             seconds["generate"] = seconds.get("generate", 0.0) + time.perf_counter() - tick
             tick = time.perf_counter()
             scored += score_groups(task, policy, problems, prompts, groups, version=step - 1)

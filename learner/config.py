@@ -86,9 +86,11 @@ class GRPOConfig:
     eps_high: float = 0.28
     """Upper clip of the ratio."""
     ratio_cap: float = 3.0
-    """Truncation of the importance ratio for negative advantages (stale or mismatched tokens)."""
+    """behaviour: the dual clip (no gradient for a token with A < 0 and a ratio above it); decoupled: iw cap."""
     objective: Literal["behaviour", "decoupled"] = "behaviour"
-    """behaviour: clip the ratio to the sampler's policy; decoupled: clip to the learner's, re-weight stale tokens."""
+    """behaviour: dual-clip PPO against the sampler's policy; decoupled: clip to the learner's own, re-weight stale."""
+    minibatches: int = 1
+    """Optimizer updates per step, each on its share of the batch (decoupled needs >= 2 for its clip to bind)."""
     beta: float = 0.0
     """Weight of the KL penalty to the initial policy (0 = no reference model kept)."""
     max_grad_norm: float = 1.0
@@ -116,6 +118,13 @@ class GRPOConfig:
         require(0 <= self.eps_low < 1, "grpo.eps_low", f"must be in [0, 1), got {self.eps_low}")
         require(self.eps_high >= 0, "grpo.eps_high", f"must be >= 0, got {self.eps_high}")
         require(self.ratio_cap >= 1 + self.eps_high, "grpo.ratio_cap", "must be >= 1 + eps_high")
+        require(self.minibatches >= 1, "grpo.minibatches", f"must be >= 1, got {self.minibatches}")
+        require(
+            self.objective != "decoupled" or self.minibatches >= 2,
+            "grpo.minibatches",
+            "must be >= 2 with objective = decoupled: its clip to the learner's own policy binds only from the "
+            "second update of a step (e.g. --minibatches 4)",
+        )
         require(self.beta >= 0, "grpo.beta", f"must be >= 0, got {self.beta}")
         require(self.max_grad_norm > 0, "grpo.max_grad_norm", "must be > 0")
         require(self.micro_batch_tokens >= 64, "grpo.micro_batch_tokens", "must be >= 64")
@@ -176,11 +185,13 @@ class SwarmConfig:
     prefetch_batches: int = 1
     """async: batches of prompt groups leased or buffered ahead of training (1: the next is made during this step)."""
     verify_first: int = 4
-    """Prompt groups of every new worker whose behaviour logprobs the learner recomputes (learner.verify)."""
+    """A worker is new until this many of its groups were verified; while new, each is checked at 50% (learner.verify)."""
     verify_fraction: float = 0.05
-    """After those, the share of groups verified (seeded at random; 0 with verify_first = 0: no checks)."""
+    """After that, the share of groups verified, drawn from the OS's randomness (0 with verify_first = 0: no checks)."""
     verify_tolerance: float = 0.02
     """Mean |logprob difference| per token (nats) above which a worker is flagged and its rollouts dropped."""
+    verify_draw_tolerance: float = 0.02
+    """How far a token's draw may miss its inverse-CDF interval (probability mass) before the worker is flagged."""
     read_timeout: float = 30.0
     """Seconds a peer has to deliver a whole request (a slow peer cannot hold the learner's streams open)."""
     upload_bps: float = 0.0
@@ -211,6 +222,11 @@ class SwarmConfig:
             0 <= self.verify_fraction <= 1, "swarm.verify_fraction", f"must be in [0, 1], got {self.verify_fraction}"
         )
         require(self.verify_tolerance > 0, "swarm.verify_tolerance", f"must be > 0, got {self.verify_tolerance}")
+        require(
+            0 < self.verify_draw_tolerance < 1,
+            "swarm.verify_draw_tolerance",
+            f"must be in (0, 1), got {self.verify_draw_tolerance}",
+        )
         if self.sync_mode == "pull":
             require(
                 self.publish_every == 1, "swarm.publish_every", "must be 1 in pull mode (workers need every version)"

@@ -95,8 +95,9 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
         verifier = RolloutVerifier(
             lambda: AutoModelForCausalLM.from_config(copy.deepcopy(policy.model.config)),
             cfg.sampler.temperature, cfg.sampler.top_p, swarm.verify_first, swarm.verify_fraction,
-            swarm.verify_tolerance, lora_scale=cfg.model.lora_alpha / max(cfg.model.lora_rank, 1),
-            keep=swarm.staleness + swarm.publish_every + 1, seed=cfg.run.seed,
+            swarm.verify_tolerance, swarm.verify_draw_tolerance,
+            lora_scale=cfg.model.lora_alpha / max(cfg.model.lora_rank, 1),
+            keep=swarm.staleness + swarm.publish_every + 1,
         )  # fmt: skip
         service = LearnerService(
             seeder, cfg, policy, run.task, model_spec(policy), publisher.run_id, journal, verifier, resumed

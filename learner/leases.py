@@ -57,7 +57,7 @@ class LeaseTable:
         self.next_group = first_group
         self.requeued: deque[int] = deque()  # groups of expired leases, issued first
         self.live: dict[int, Lease] = {}
-        self.closed: dict[int, str] = {}  # lease id -> "completed" | "expired"
+        self.closed: dict[int, str] = {}  # lease id -> "completed" | "expired" | "refused"
         self.counters = LeaseCounters()
         self._lock = threading.Lock()
 
@@ -88,7 +88,9 @@ class LeaseTable:
             self._expire_locked()
             lease = self.live.get(lease_id)
             if lease is None:
-                reason = {"completed": "duplicate", "expired": "late"}.get(self.closed.get(lease_id, ""), "unknown")
+                reason = {"completed": "duplicate", "refused": "duplicate", "expired": "late"}.get(
+                    self.closed.get(lease_id, ""), "unknown"
+                )
                 self.counters.refuse(reason)
                 raise LeaseError(f"lease {lease_id} is {reason}", reason)
             if lease.worker != worker:
@@ -98,6 +100,15 @@ class LeaseTable:
             self._close_locked(lease_id, "completed")
             self.counters.completed += 1
             return lease
+
+    def release(self, lease: Lease) -> None:
+        """A completed lease whose submission was refused: its groups go to other workers."""
+        with self._lock:
+            self._close_locked(lease.lease_id, "refused")
+            self.counters.completed -= 1
+            self.counters.refuse("invalid")
+            self.counters.reissued_groups += len(lease.group_ids)
+            self.requeued.extend(lease.group_ids)
 
     def expire(self) -> None:
         with self._lock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from learner.grpo import group_advantages
+from learner.grpo import clamp_reward, group_advantages
 from learner.models import Policy
 from learner.tasks import Problem, Task
 from learner.trainer import Rollout
@@ -23,7 +23,8 @@ def score_groups(
     """Score every completion with the task's reward and attach group-normalised advantages."""
     scored = []
     for problem, prompt_ids, group in zip(problems, prompts, groups, strict=True):
-        rewards = [task.reward(policy.decode(c.tokens), problem.answer) for c in group]
+        # any reward function's value, made safe to normalise: non-finite scores 0, clamped to +-REWARD_LIMIT
+        rewards = [clamp_reward(task.reward(policy.decode(c.tokens), problem.answer)) for c in group]
         advantages = group_advantages(torch.tensor([rewards], dtype=torch.float64))[0].tolist()
         scored.append(
             [

@@ -25,7 +25,7 @@ from learner.models import Policy, load_policy
 from learner.parallel import World, shard
 from learner.replay import has_signal
 from learner.tasks import Task, make_task
-from learner.trainer import GRPOTrainer, Rollout
+from learner.trainer import GRPOTrainer, Rollout, frozen_copy
 from p2p.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,10 @@ def open_run(cfg: LearnerConfig, resume: bool, world: World = World()) -> Run:
         add_lora(policy.model, cfg.model.lora_rank, cfg.model.lora_alpha)
         policy.lora_rank, policy.lora_alpha = cfg.model.lora_rank, cfg.model.lora_alpha
     task = make_task(cfg.task.task, cfg.task.task_args)
+    if world.size > 1 and cfg.grpo.beta > 0:
+        raise ConfigError("grpo.beta > 0 (a reference model) is not supported with several ranks yet: use beta = 0")
+    # the KL anchor is the initial policy, so it is copied before a checkpoint's weights are loaded
+    reference = frozen_copy(policy.model) if cfg.grpo.beta > 0 else None
     start_step, wall_offset = 0, 0.0
     if resume:
         saved = json.loads((checkpoints[-1] / "state.json").read_text())["config"]["model"]
@@ -102,10 +106,8 @@ def open_run(cfg: LearnerConfig, resume: bool, world: World = World()) -> Run:
             )
         state = load_weights(checkpoints[-1], policy.model)
         start_step, wall_offset = state["step"], state["wall_s"]
-    if world.size > 1 and cfg.grpo.beta > 0:
-        raise ConfigError("grpo.beta > 0 (a reference model) is not supported with several ranks yet: use beta = 0")
     shard(policy.model, world)
-    trainer = GRPOTrainer(policy.model, cfg.grpo, cfg.sampler.temperature, world)
+    trainer = GRPOTrainer(policy.model, cfg.grpo, cfg.sampler.temperature, world, cfg.sampler.top_p, reference)
     if resume:
         load_trainer_state(checkpoints[-1], policy.model, trainer.optimizer)
         if world.leader:

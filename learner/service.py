@@ -3,8 +3,10 @@
 Handlers run in the host's worker threads, concurrently with the training loop; everything they share
 with it (the replay buffer, the lease table, the versions) is thread-safe. Every rollout is validated
 before it is scored: schema, counts, token ids within the vocabulary, lengths within the lease's token
-budget, finite non-positive logprobs, lease ownership. Rewards are computed here, never taken from a
-worker.
+budget, logprobs in [LOGPROB_FLOOR, 0] (p2p.messages), lease ownership; everything a worker states
+(versions, rates, hardware) is checked before it is stored. Rewards are computed here, never taken from
+a worker. A failure of the learner's own (a full disk under the journal) is answered as an internal
+error, never as the worker's fault (p2p.host).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from learner.config import LearnerConfig
 from learner.journal import JournalState, RolloutJournal
-from learner.leases import LeaseError, LeaseTable
+from learner.leases import Lease, LeaseError, LeaseTable
 from learner.models import Policy
 from learner.replay import ReplayBuffer, ScoredGroup
 from learner.rollouts import score_groups
@@ -30,7 +32,18 @@ from learner.trainer import Rollout
 from learner.verify import RolloutVerifier
 from p2p.broadcast import Seeder
 from p2p.host import BadRequest, Misbehaviour
-from p2p.messages import HEARTBEAT, LEASE, ROLLOUT, SPEC, STATUS, Completion, ModelSpec
+from p2p.messages import (
+    HEARTBEAT,
+    LEASE,
+    ROLLOUT,
+    SPEC,
+    STATUS,
+    Heartbeat,
+    LeaseRequest,
+    ModelSpec,
+    RolloutSubmission,
+)
+from p2p.wire import FrameLimits
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +130,7 @@ class LearnerService:
         self._lock = threading.Lock()
         host.handle(SPEC, self._on_spec)
         host.handle(LEASE, self._on_lease)
-        host.handle(ROLLOUT, self._on_rollout)
+        host.handle(ROLLOUT, self._on_rollout, limits=rollout_limits(cfg))
         host.handle(HEARTBEAT, self._on_heartbeat)
         host.handle(STATUS, lambda peer, msg: self.status(), guarded=False)  # read-only, open to any peer
         self.last_step: dict[str, Any] = {}  # the newest step's metrics, set by the training loop
@@ -192,26 +205,23 @@ class LearnerService:
 
     def _on_spec(self, peer: str, msg: dict) -> dict:
         self._worker(peer)
-        return {"run_id": self.run_id, "spec": self.spec.to_dict()}
+        return {"run_id": self.run_id, "spec": self.spec.to_dict(), "group_size": self.cfg.grpo.group_size}
 
     def _on_heartbeat(self, peer: str, msg: dict) -> dict:
+        beat = Heartbeat.from_wire(msg)  # bounded types and ranges (MessageError: a penalty)
+        if beat.version > self.newest_published:
+            raise Misbehaviour(f"version {beat.version} was never published (newest is {self.newest_published})")
         worker = self._worker(peer)
-        version, tps, price = msg.get("version"), msg.get("tokens_per_s"), msg.get("price")
-        if isinstance(version, int):
-            with self._lock:
-                if version > worker.version and version in self.published_at and version not in self.bcast_seconds:
-                    self.bcast_seconds[version] = time.monotonic() - self.published_at[version]
-                worker.version = version
-        if isinstance(price, int | float) and math.isfinite(price) and price >= 0:
-            worker.price = float(price)
-            with self._sched_lock:
-                self.scheduler.seen(peer, worker.last_seen, worker.price)
-        if isinstance(tps, int | float) and math.isfinite(tps) and tps >= 0:
-            worker.tokens_per_s = float(tps)
-            self._declare_rate(peer, worker.tokens_per_s)
-        hardware = msg.get("hardware")
-        if isinstance(hardware, dict):
-            worker.hardware = describe_hardware(hardware)
+        with self._lock:
+            if beat.version > worker.version and beat.version in self.published_at:
+                self.bcast_seconds.setdefault(beat.version, time.monotonic() - self.published_at[beat.version])
+            worker.version = beat.version
+            worker.price = beat.price
+            worker.tokens_per_s = beat.tokens_per_s
+            worker.hardware = describe_hardware(beat.hardware)
+        with self._sched_lock:
+            self.scheduler.seen(peer, worker.last_seen, worker.price)
+        self._declare_rate(peer, worker.tokens_per_s)
         return {"newest": self.newest_published}
 
     def _declare_rate(self, peer: str, tokens_per_s: float) -> None:
@@ -226,17 +236,17 @@ class LearnerService:
             self.scheduler.declare(peer, rate, lease_s)
 
     def _on_lease(self, peer: str, msg: dict) -> dict:
-        worker = self._worker(peer)
+        request = LeaseRequest.from_wire(msg)
+        held, max_groups = request.version, request.max_groups
         if peer in self.verifier.flagged:
             raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
-        held, max_groups = msg.get("version"), msg.get("max_groups", 1)
-        if not isinstance(held, int) or not isinstance(max_groups, int) or max_groups < 1:
-            raise Misbehaviour("lease request needs integer version and max_groups >= 1")
-        worker.version = max(worker.version, held)
+        if held > self.newest_published or held < 0:  # checked before it is stored: status shows it
+            raise Misbehaviour(f"version {held} was never published (newest is {self.newest_published})")
+        worker = self._worker(peer)
+        with self._lock:
+            worker.version = max(worker.version, held)
         swarm, grpo = self.cfg.swarm, self.cfg.grpo
         wait = {"wait": 0.2, "newest": self.newest_published}
-        if held > self.newest_published or held < 0:
-            raise BadRequest(f"version {held} was never published (newest is {self.newest_published})")
         if swarm.sync_mode == "pull":
             if held != self.version:
                 return wait  # refresh to the newest version first (or wait until it is published)
@@ -277,27 +287,25 @@ class LearnerService:
         }
 
     def _on_rollout(self, peer: str, msg: dict) -> dict:
+        grpo, vocab = self.cfg.grpo, self.spec.vocab_size
+        submission = RolloutSubmission.from_wire(msg, grpo.group_size, self.cfg.sampler.max_new_tokens, vocab)
         worker = self._worker(peer)
         if peer in self.verifier.flagged:
             raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
-        try:
-            lease_id, version, groups = msg["lease"], msg["version"], msg["groups"]
-            if not isinstance(lease_id, int) or not isinstance(version, int) or not isinstance(groups, list):
-                raise Misbehaviour("rollout needs integer lease and version and a list of groups")
-            lease = self.leases.get(lease_id)
-            if lease is not None and lease.worker == peer:  # complete() below refuses the other cases
-                completions = self._validate(lease.group_ids, version, lease.min_version, groups)
-                self._verify(peer, lease.lease_id, lease.group_ids, version, completions)
-            lease = self.leases.complete(lease_id, peer)
+        try:  # closing the lease first makes a replay, even a concurrent one, a duplicate before any work
+            lease = self.leases.complete(submission.lease, peer)
         except LeaseError as exc:  # a replay or someone else's lease is an offence; a late one is not
             worker.refused += 1
             raise (Misbehaviour if exc.reason in ("duplicate", "not_owner") else BadRequest)(str(exc)) from None
-        except (KeyError, TypeError, AttributeError) as exc:
-            worker.refused += 1
-            raise Misbehaviour(f"malformed rollout: {type(exc).__name__}: {exc}") from None
+        try:
+            self._check_against_lease(lease, submission)
+            verified = self._verify(peer, lease.lease_id, submission)
         except BadRequest:
             worker.refused += 1
+            self.leases.release(lease)  # its prompts go to other workers
             raise
+        completions = [g.completions for g in submission.groups]
+        version = submission.version
         problems = [self.problem(g) for g in lease.group_ids]
         with self._lock:  # a group is scored once: its prompt need not be remembered (nor rebuilt) any more
             for g in lease.group_ids:
@@ -309,6 +317,7 @@ class LearnerService:
         self.journal.accept(groups)  # on disk before the worker hears "accepted" (learner.journal)
         for group in groups:
             self.buffer.add(group)
+        self.verifier.accepted(peer, verified)  # only accepted work counts as verified
         now = time.monotonic()
         with self._sched_lock:
             self.scheduler.lease_done(peer, now, now - lease.issued_at, sum(len(g) for g in scored))
@@ -321,18 +330,26 @@ class LearnerService:
             self.tokens_accepted += tokens  # all workers: the mean rollout length turns tokens/s into rollouts/s
         return {"accepted": len(scored)}
 
-    def _verify(self, peer: str, lease_id: int, group_ids: list[int], version: int, groups: list) -> None:
-        """Recompute the behaviour logprobs of sampled groups (learner.verify); on a mismatch flag the
-        worker, give its lease to others and drop its groups from the buffer (and the journal)."""
-        for group_id, completions in zip(group_ids, groups, strict=True):
+    def _check_against_lease(self, lease: Lease, submission: RolloutSubmission) -> None:
+        """What the wire schema cannot know: the lease's groups in order, a version it may use."""
+        if not lease.min_version <= submission.version <= self.newest_published:
+            raise BadRequest(f"version {submission.version} is outside [{lease.min_version}, {self.newest_published}]")
+        if [g.group for g in submission.groups] != lease.group_ids:
+            raise Misbehaviour(f"the lease's groups are {lease.group_ids}, in that order")
+
+    def _verify(self, peer: str, lease_id: int, submission: RolloutSubmission) -> int:
+        """Replay the sampling of the groups chosen for checking (learner.verify); returns how many were
+        checked. On a mismatch flag the worker and drop its groups from the buffer (and the journal)."""
+        checked = 0
+        for group in submission.groups:
             if not self.verifier.wants(peer):
                 continue
-            prompt = self.problem(group_id)[1]
-            rollouts = [Rollout(prompt, c.tokens, c.logprobs, 0.0, 0.0, version) for c in completions]
+            prompt = self.problem(group.group)[1]
+            rollouts = [Rollout(prompt, c.tokens, c.logprobs, 0.0, 0.0, submission.version) for c in group.completions]
             # None: the claimed version left the window of kept weights, so the group is too stale to train on
-            self.verifier.check(peer, version, rollouts)
+            if self.verifier.check(peer, submission.version, lease_id, group.group, rollouts) is not None:
+                checked += 1
             if peer in self.verifier.flagged:
-                self.leases.requeue_lease(lease_id)
                 dropped = self.buffer.drop_worker(peer)
                 self.journal.drop([g.group_id for g in dropped])
                 log.warning(
@@ -340,39 +357,7 @@ class LearnerService:
                     peer[-8:], self.verifier.flagged[peer], len(dropped),
                 )  # fmt: skip
                 raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
-
-    def _validate(self, group_ids: list[int], version: int, min_version: int, groups: list) -> list[list[Completion]]:
-        """Check a submission against its lease; return its completions or raise BadRequest."""
-        g_size, budget, vocab = self.cfg.grpo.group_size, self.cfg.sampler.max_new_tokens, self.spec.vocab_size
-        if not min_version <= version <= self.newest_published:
-            raise BadRequest(f"version {version} is outside [{min_version}, {self.newest_published}]")
-        if len(groups) != len(group_ids):
-            raise Misbehaviour(f"lease has {len(group_ids)} groups, got {len(groups)}")
-        out = []
-        for expected, group in zip(group_ids, groups, strict=True):
-            if not isinstance(group, dict) or group.get("group") != expected:
-                raise Misbehaviour(f"groups must come in lease order (expected group {expected})")
-            completions = group.get("completions")
-            if not isinstance(completions, list) or len(completions) != g_size:
-                raise Misbehaviour(f"group {expected} needs exactly {g_size} completions")
-            parsed = []
-            for c in completions:
-                if not isinstance(c, dict):
-                    raise Misbehaviour("a completion must be a map")
-                tokens, logprobs, finish = c.get("tokens"), c.get("logprobs"), c.get("finish")
-                if not isinstance(tokens, list) or not 1 <= len(tokens) <= budget:
-                    raise Misbehaviour(f"a completion must have 1 to {budget} tokens")
-                if not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
-                    raise Misbehaviour(f"token ids must be integers in [0, {vocab})")
-                if not isinstance(logprobs, list) or len(logprobs) != len(tokens):
-                    raise Misbehaviour("one logprob per token is required")
-                if not all(isinstance(x, float) and math.isfinite(x) and x <= 1e-6 for x in logprobs):
-                    raise Misbehaviour("logprobs must be finite floats <= 0")
-                if finish not in ("stop", "length"):
-                    raise Misbehaviour("finish must be 'stop' or 'length'")
-                parsed.append(Completion(tokens, logprobs, finish))
-            out.append(parsed)
-        return out
+        return checked
 
     # -- figures for metrics and status --------------------------------------------------------------
 
@@ -466,6 +451,17 @@ class LearnerService:
             }
             for peer, w in workers.items()
         }
+
+
+def rollout_limits(cfg: LearnerConfig) -> FrameLimits:
+    """What one rollout submission may hold: a lease's groups of G completions of at most max_new_tokens
+    tokens, at most 16 bytes of msgpack per token (an int and a float64) plus framing; twice that, as slack."""
+    grpo, tokens = cfg.grpo, cfg.sampler.max_new_tokens
+    size = cfg.swarm.groups_per_lease * grpo.group_size * (16 * tokens + 64) + 4096
+    return FrameLimits(
+        max_bytes=2 * size, max_array=max(tokens, grpo.group_size, cfg.swarm.groups_per_lease, 16),
+        max_map=16, max_str=64, max_bin=0,
+    )  # fmt: skip
 
 
 def _round(x: float | None) -> float | None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +12,8 @@ import torch
 from learner.config import GRPOConfig
 from learner.grpo import policy_loss
 from learner.parallel import World
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -25,16 +29,25 @@ class Rollout:
 
 
 class GRPOTrainer:
-    """Owns the policy's optimizer (fused AdamW) and, when beta > 0, a frozen reference copy.
+    """Owns the policy's optimizer (fused AdamW) and, when beta > 0, a frozen reference policy.
 
-    `step(rollouts)` computes pi_theta's logprobs of the completion tokens at the sampling temperature,
-    the loss of learner.grpo.policy_loss, and takes one clipped optimizer step.
+    `step(rollouts)` splits the batch into `grpo.minibatches` parts and takes one optimizer update on
+    each: pi_theta's logprobs of the completion tokens (at the sampling temperature and top-p, as the
+    sampler drew them), the loss of learner.grpo.policy_loss, a clipped gradient. An update whose loss
+    or gradient is not finite is skipped (counted, logged): it never reaches the weights.
+
+    The reference of the KL penalty is the initial policy: pass `reference` when the model already
+    holds a checkpoint's weights (a resumed run), else it is copied from `model` here.
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: GRPOConfig, temperature: float, world: World = World()) -> None:
+    def __init__(
+        self, model: torch.nn.Module, cfg: GRPOConfig, temperature: float, world: World = World(),
+        top_p: float = 1.0, reference: torch.nn.Module | None = None,
+    ) -> None:  # fmt: skip
         self.model = model
         self.cfg = cfg
         self.temperature = temperature
+        self.top_p = top_p
         self.world = world  # several ranks: `model` is sharded (learner.parallel) and each trains on its share
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
@@ -44,27 +57,51 @@ class GRPOTrainer:
         )
         self.reference = None
         if cfg.beta > 0:
-            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+            self.reference = reference if reference is not None else frozen_copy(model)
+        self.skipped_updates = 0  # over the whole run: updates dropped for a non-finite loss or gradient
 
     def step(self, rollouts: list[Rollout]) -> dict[str, float]:
-        """One optimizer step; returns loss, grad norm, clip fraction and KL figures."""
-        cfg = self.cfg
-        if cfg.skip_equal_groups and cfg.beta == 0:
-            rollouts = [r for r in rollouts if r.advantage != 0.0]
+        """One training step (grpo.minibatches optimizer updates); returns loss, grad norm, clip fraction,
+        KL figures, tokens trained and updates skipped as non-finite."""
+        cfg, world = self.cfg, self.world
         rollouts = [r for r in rollouts if r.completion_ids]
-        sums = {"loss": 0.0, "clip_frac": 0.0, "kl_behaviour": 0.0, "ratio_mean": 0.0, "kl_ref": 0.0}
-        if not rollouts:
-            return {**sums, "grad_norm": 0.0, "trained_tokens": 0}
-
-        total_tokens = sum(len(r.completion_ids) for r in rollouts)  # of the whole batch, over all ranks
-        n_rollouts = len(rollouts)
-        world = self.world
-        batches = micro_batches(rollouts[world.rank :: world.size], cfg.micro_batch_tokens)
-        # FSDP gathers each layer's weights in every pass, so all ranks must make as many passes
-        batches += [[]] * (world.max(len(batches)) - len(batches))
+        n_mb = min(cfg.minibatches, len(rollouts))
+        minibatches = [rollouts[i * len(rollouts) // n_mb : (i + 1) * len(rollouts) // n_mb] for i in range(n_mb)]
+        # each rank's micro-batches of each minibatch; FSDP gathers each layer's weights in every pass, so
+        # all ranks make as many passes (an empty one where a rank's share is done)
+        plans = []
+        for mb in minibatches:
+            trained = [r for r in mb if not (cfg.skip_equal_groups and cfg.beta == 0 and r.advantage == 0.0)]
+            passes = micro_batches(trained[world.rank :: world.size], cfg.micro_batch_tokens)
+            passes += [[]] * (world.max(len(passes)) - len(passes))
+            plans.append((mb, passes))
+        # decoupled: pi_prox is the policy before this step's first update, for every rollout of the batch
+        proximal = self._proximal_logprobs(plans) if cfg.objective == "decoupled" else None
+        sums = {"loss": 0.0, "clip_frac": 0.0, "kl_behaviour": 0.0, "ratio_mean": 0.0, "kl_ref": 0.0, "grad_norm": 0.0}
+        trained_tokens = skipped = 0
         self.model.train()
+        for mb, passes in plans:
+            stats, tokens = self._update(mb, passes, proximal)
+            if stats is None:
+                skipped += 1
+                continue
+            trained_tokens += tokens
+            for key in sums:
+                sums[key] += stats[key] / n_mb
+        return {**sums, "trained_tokens": trained_tokens, "skipped_updates": skipped}
+
+    def _update(
+        self, minibatch: list[Rollout], passes: list[list[Rollout]], proximal: dict[int, torch.Tensor] | None
+    ) -> tuple[dict[str, float] | None, int]:
+        """One optimizer update on a minibatch. The loss is normalised over all of its tokens, those of
+        skipped equal-reward groups included, so skipping (an optimisation: their gradient is zero)
+        never rescales the step. Returns (stats, tokens trained) or (None, 0) if it was not finite."""
+        cfg, world = self.cfg, self.world
+        total_tokens = sum(len(r.completion_ids) for r in minibatch)  # of the whole minibatch, over all ranks
+        n_rollouts = len(minibatch)
+        sums = {"loss": 0.0, "clip_frac": 0.0, "kl_behaviour": 0.0, "ratio_mean": 0.0, "kl_ref": 0.0, "tokens": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
-        for batch in batches:
+        for batch in passes:
             if not batch:  # this rank's share is done: a pass that adds nothing to the gradient
                 (completion_logprobs(self.model, [PADDING], self.temperature).sum() * 0.0).backward()
                 continue
@@ -73,28 +110,57 @@ class GRPOTrainer:
                 weights = torch.full((int(lengths.sum()),), 1.0 / total_tokens)  # [N]
             else:
                 weights = torch.repeat_interleave(1.0 / (lengths * n_rollouts), lengths)  # [N]
-            logp = completion_logprobs(self.model, batch, self.temperature)  # [N]
+            logp = completion_logprobs(self.model, batch, self.temperature, self.top_p)  # [N]
             logp_ref = None
             if self.reference is not None:
                 with torch.no_grad():
-                    logp_ref = completion_logprobs(self.reference, batch, self.temperature)
+                    logp_ref = completion_logprobs(self.reference, batch, self.temperature, self.top_p)  # [N]
             behaviour = torch.tensor([lp for r in batch for lp in r.behaviour_logprobs])  # [N]
             advantages = torch.repeat_interleave(torch.tensor([r.advantage for r in batch]), lengths)  # [N]
+            prox = None if proximal is None else torch.cat([proximal[id(r)] for r in batch])  # [N]
             loss, stats = policy_loss(
                 logp, behaviour, advantages, weights,
-                cfg.eps_low, cfg.eps_high, cfg.ratio_cap, logp_ref, cfg.beta, cfg.objective == "decoupled",
+                cfg.eps_low, cfg.eps_high, cfg.ratio_cap, logp_ref, cfg.beta, prox,
             )  # fmt: skip
             (loss * world.size).backward()  # FSDP averages gradients over ranks; the weights are global
-            share = float(lengths.sum()) / total_tokens
+            tokens = float(lengths.sum())
             sums["loss"] += loss.item()
             for key in ("clip_frac", "kl_behaviour", "ratio_mean"):
-                sums[key] += stats[key] * share
+                sums[key] += stats[key] * tokens
             sums["kl_ref"] += stats.get("kl_ref", 0.0)
+            sums["tokens"] += tokens
         sums = dict(zip(sums, world.sum(list(sums.values())), strict=True))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
+        if not (math.isfinite(sums["loss"]) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_updates += 1
+            log.warning(
+                "update skipped: loss %s, gradient norm %s are not finite (%d skipped in this run)",
+                sums["loss"], grad_norm, self.skipped_updates,
+            )  # fmt: skip
+            return None, 0
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {**sums, "grad_norm": float(grad_norm), "trained_tokens": total_tokens}
+        tokens = max(sums.pop("tokens"), 1e-12)
+        for key in ("clip_frac", "kl_behaviour", "ratio_mean"):
+            sums[key] /= tokens
+        return {**sums, "grad_norm": grad_norm}, int(tokens)
+
+    @torch.no_grad()
+    def _proximal_logprobs(self, plans: list[tuple[list[Rollout], list[list[Rollout]]]]) -> dict[int, torch.Tensor]:
+        """log pi_prox of every completion token this rank trains on, keyed by id(rollout): [len_i] each."""
+        out: dict[int, torch.Tensor] = {}
+        for _, passes in plans:
+            for batch in passes:
+                logp = completion_logprobs(self.model, batch or [PADDING], self.temperature, self.top_p)  # [N]
+                for r, lp in zip(batch, logp.split([len(r.completion_ids) for r in batch]), strict=False):
+                    out[id(r)] = lp
+        return out
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of a policy (the KL reference): take it before loading a checkpoint into `model`."""
+    return copy.deepcopy(model).eval().requires_grad_(False)
 
 
 PADDING = Rollout([0], [0], [0.0], 0.0)  # the smallest sequence a forward pass accepts
@@ -133,11 +199,17 @@ def pack_completions(batch: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor, 
     return ids, mask, torch.tensor(rows), torch.tensor(cols)
 
 
-def completion_logprobs(model: torch.nn.Module, batch: list[Rollout], temperature: float) -> torch.Tensor:
+def completion_logprobs(
+    model: torch.nn.Module, batch: list[Rollout], temperature: float, top_p: float = 1.0
+) -> torch.Tensor:
     """log pi(token) for every completion token of `batch`, flat in batch order: [N].
 
-    Only the hidden states that predict completion tokens go through the output layer (a fifth of a
-    small model's compute at a 49k vocabulary), so prompt positions cost no vocabulary projection.
+    pi is the distribution the sampler draws from: softmax(logits / temperature), with top_p < 1
+    restricted to the nucleus and renormalised (worker.sampling; the verifier uses the same rule), so
+    that an on-policy ratio pi / mu is 1. The nucleus is chosen on detached probabilities and always
+    includes the scored token (a token just outside it by rounding, or by staleness, keeps a finite
+    logprob). Only the hidden states that predict completion tokens go through the output layer (a
+    fifth of a small model's compute at a 49k vocabulary), so prompt positions cost no vocabulary projection.
     """
     ids, mask, rows_t, cols_t = pack_completions(batch)
     # through the model's own forward (FSDP gathers weights in its hooks), the output layer on one position
@@ -145,4 +217,22 @@ def completion_logprobs(model: torch.nn.Module, batch: list[Rollout], temperatur
     hidden = out.hidden_states[-1]  # [B, T, H] after the final norm
     logits = model.lm_head(hidden[rows_t, cols_t]).float() / temperature  # [N, V]
     targets = ids[rows_t, cols_t + 1]  # [N]
-    return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)  # [N]
+    logp = torch.log_softmax(logits, dim=-1)  # [N, V]
+    if top_p < 1.0:
+        strict, _ = nucleus_masks(logp.detach(), top_p)  # [N, V]
+        keep = strict.scatter(1, targets[:, None], True)
+        logp = logp - torch.logsumexp(logp.masked_fill(~keep, -torch.inf), dim=-1, keepdim=True)  # [N, V]
+    return logp.gather(1, targets[:, None]).squeeze(1)  # [N]
+
+
+def nucleus_masks(logp: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-p nucleus of each row of log-probabilities [N, V], as worker.sampling chooses it: a token
+    stays if the mass of the tokens more likely than it is still below top_p. Returns (strict, wider):
+    boolean masks [N, V], wider holding one more token (a token the sampler's rounding let in)."""
+    probs = logp.exp()
+    sorted_p, order = probs.sort(dim=-1, descending=True)  # [N, V]
+    strict_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p  # a prefix of the sorted tokens
+    wider_sorted = strict_sorted | torch.cat([torch.ones_like(strict_sorted[:, :1]), strict_sorted[:, :-1]], dim=1)
+    strict = torch.zeros_like(strict_sorted).scatter(1, order, strict_sorted)
+    wider = torch.zeros_like(wider_sorted).scatter(1, order, wider_sorted)
+    return strict, wider

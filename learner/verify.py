@@ -1,21 +1,29 @@
-"""Rollout verification: recompute a worker's behaviour logprobs with the weights it claims to have used.
+"""Rollout verification: replay a worker's sampling with the weights it claims to have used.
 
-A worker reports, for every sampled token, log mu(token) under the policy version x it held. The learner
-keeps the 16-bit weights of every version still inside the staleness window (exactly what it
-published), loads version x into a float32 copy of the architecture, and recomputes the logprobs at the
-same temperature and top-p. The divergence of a group is
+A worker reports, for every sampled token, log mu(token) under the policy version x it held, and it drew
+every token from the lease's counter-based stream (p2p.draws). The learner keeps the 16-bit weights of
+every version still inside the staleness window (exactly what it published), loads version x into a
+float32 copy of the architecture, and recomputes at the same temperature and top-p:
 
-    d = mean over its tokens of min(|log mu_worker - log mu_x|, CAP)
+    logprob divergence   d = mean over the group's tokens of min(|log mu_worker - log mu_x|, CAP)
+    draw miss            m = max over the group's tokens of dist(u, [C_x(t - 1), C_x(t)])
 
-With top-p < 1, log mu_x is taken under two nuclei, the strict one and the one a token wider, whichever
-is closer: rounding can put a token just inside the worker's nucleus and just outside ours.
+where u = p2p.draws.uniform(lease seed, group, completion, position) is the token's draw and
+[C_x(t - 1), C_x(t)] its interval of the inverse CDF in token-id order under version x (dist is 0 inside).
+d catches forged logprobs; m catches text the worker did not sample (its own text with exact logprobs,
+another seed): given the seed and the weights a completion is determined, up to float noise at the
+interval borders. With top-p < 1 both are taken under two nuclei, the strict one and the one a token
+wider, whichever is closer: rounding can put a token just inside the worker's nucleus and just outside ours.
 
-and a worker whose d exceeds `tolerance` is flagged: the submission is refused and every group of
-that worker still in the buffer is dropped. Honest llama.cpp output (F16 GGUF, its own kernels) differs
-from torch only by rounding; `echo-rl bench verify` measures that noise and how far forged logprobs land.
+A worker whose d exceeds `tolerance` or whose m exceeds `draw_tolerance` is flagged: the submission is
+refused and every group of that worker still in the buffer is dropped. Honest llama.cpp output (F16
+GGUF, its own kernels) differs from torch only by rounding; `echo-rl bench verify` measures that noise
+and how far forgeries land.
 
-Which groups: every group of a worker's first `first` groups, then each group with probability
-`fraction` (seeded, so a worker cannot tell which will be checked).
+Which groups: each group independently, with probability `new_fraction` until `first` of a worker's
+groups were verified and accepted, `fraction` after, drawn from the operating system's randomness, so
+nothing a worker sees (not the run seed, not its lease ids) tells which of its groups will be checked.
+Only groups of accepted submissions count as verified work: replays and refusals never do.
 """
 
 from __future__ import annotations
@@ -29,8 +37,9 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from learner.trainer import Rollout, pack_completions
+from learner.trainer import Rollout, nucleus_masks, pack_completions
 from p2p.codec import bf16_to_f32
+from p2p.draws import uniforms
 from p2p.messages import is_adapter
 
 log = logging.getLogger(__name__)
@@ -58,30 +67,46 @@ def merged_weights(
     return weights
 
 
-def sampler_logprobs(model: torch.nn.Module, batch: list[Rollout], temperature: float, top_p: float) -> torch.Tensor:
-    """log mu(token) for every completion token of `batch`: [K, N], K = 1 (top_p = 1) or 2 (top_p < 1).
+ROWS_PER_BLOCK = 256  # completion positions whose [rows, V] distributions are held at once (float64)
+
+
+def replay_sampling(
+    model: torch.nn.Module, batch: list[Rollout], temperature: float, top_p: float, u: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every completion token of `batch`: log mu(token) and, given its draw u [N], the distance of u
+    from the token's inverse-CDF interval. Returns (logprobs [K, N], misses [K, N]; misses are 0 when u
+    is None), K = 1 (top_p = 1) or 2 (top_p < 1: row 0 the strict nucleus, row 1 one token wider).
 
     mu = softmax(logits / T) restricted to the top-p nucleus and renormalised, as worker.sampling draws
-    it (-inf outside). With top_p < 1, row 0 is the strict nucleus and row 1 the nucleus one token wider.
+    it (-inf outside), in float64.
     """
     ids, mask, rows_t, cols_t = pack_completions(batch)  # [B, T], [B, T], [N], [N]
     # the output layer only at completion positions (as learner.trainer.completion_logprobs)
     out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1)
-    logits = model.lm_head(out.hidden_states[-1][rows_t, cols_t]).double() / temperature  # [N, V]
-    logp = torch.log_softmax(logits, dim=-1)  # [N, V]
-    targets = ids[rows_t, cols_t + 1][:, None]  # [N, 1]
-    if top_p >= 1.0:
-        return logp.gather(1, targets).T  # [1, N]
-    sorted_p, order = logp.exp().sort(dim=-1, descending=True)  # [N, V]
-    strict = (sorted_p.cumsum(-1) - sorted_p) < top_p  # [N, V] a prefix of the sorted tokens
-    wider = strict | torch.cat([torch.ones_like(strict[:, :1]), strict[:, :-1]], dim=1)
-    out = []
-    for keep_sorted in (strict, wider):
-        keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)  # [N, V]
-        kept_mass = (logp.exp() * keep).sum(-1, keepdim=True)  # [N, 1]
-        truncated = torch.where(keep, logp - kept_mass.log(), torch.tensor(-torch.inf, dtype=logp.dtype))
-        out.append(truncated.gather(1, targets)[:, 0])
-    return torch.stack(out)  # [2, N]
+    hidden = out.hidden_states[-1][rows_t, cols_t]  # [N, H]
+    targets = ids[rows_t, cols_t + 1]  # [N]
+    logprobs, misses = [], []
+    for start in range(0, len(targets), ROWS_PER_BLOCK):  # bounded memory for long completions
+        block = slice(start, start + ROWS_PER_BLOCK)
+        logp = torch.log_softmax(model.lm_head(hidden[block]).double() / temperature, dim=-1)  # [n, V]
+        nuclei = [None] if top_p >= 1.0 else list(nucleus_masks(logp, top_p))
+        t = targets[block][:, None]  # [n, 1]
+        lp_rows, miss_rows = [], []
+        for keep in nuclei:
+            lp = logp if keep is None else logp.masked_fill(~keep, -torch.inf)
+            lp = lp - torch.logsumexp(lp, dim=-1, keepdim=True)  # [n, V] renormalised over the nucleus
+            lp_rows.append(lp.gather(1, t)[:, 0])
+            if u is None:
+                miss_rows.append(torch.zeros(len(t), dtype=torch.float64))
+                continue
+            probs = lp.exp()
+            high = probs.cumsum(-1).gather(1, t)[:, 0]  # C(t)
+            low = high - probs.gather(1, t)[:, 0]  # C(t - 1)
+            ub = u[block].to(torch.float64) * probs.sum(-1)  # the sampler scales u by its row's total
+            miss_rows.append(torch.clamp(torch.maximum(low - ub, ub - high), min=0.0))
+        logprobs.append(torch.stack(lp_rows))
+        misses.append(torch.stack(miss_rows))
+    return torch.cat(logprobs, dim=1), torch.cat(misses, dim=1)  # [K, N] each
 
 
 def divergence(reported: list[float], recomputed: torch.Tensor) -> float:
@@ -91,6 +116,17 @@ def divergence(reported: list[float], recomputed: torch.Tensor) -> float:
     return float(diff.min(dim=0).values.clamp(max=CAP).mean())
 
 
+def draw_miss(misses: torch.Tensor) -> float:
+    """The largest distance of a token's draw from its interval; `misses` [K, N]: per token, the closest row."""
+    return float(misses.min(dim=0).values.max()) if misses.numel() else 0.0
+
+
+def group_draws(seed: int, group_id: int, group: list[Rollout]) -> torch.Tensor:
+    """The draws behind every completion token of a group, flat in completion order: [N]."""
+    keys = [(group_id, j, pos) for j, r in enumerate(group) for pos in range(len(r.completion_ids))]
+    return torch.from_numpy(uniforms(seed, keys))
+
+
 class RolloutVerifier:
     """Keeps the published weights of recent versions and recomputes behaviour logprobs on demand.
 
@@ -98,18 +134,21 @@ class RolloutVerifier:
 
     def __init__(
         self, make_model, temperature: float, top_p: float, first: int, fraction: float, tolerance: float,
-        lora_scale: float = 0.0, keep: int = 4, seed: int = 0,
+        draw_tolerance: float, lora_scale: float = 0.0, keep: int = 4, new_fraction: float = 0.5,
     ) -> None:  # fmt: skip
         self.make_model = make_model  # () -> a float32 torch model of the policy's architecture (no LoRA)
         self.temperature, self.top_p = temperature, top_p
         self.first, self.fraction, self.tolerance = first, fraction, tolerance
+        self.draw_tolerance = draw_tolerance
+        self.new_fraction = max(new_fraction, fraction) if first > 0 else fraction
         self.lora_scale = lora_scale
         self.keep = keep  # versions kept besides a LoRA base: staleness + publish_every + 1 is enough
         self.versions: dict[int, tuple[dict[str, np.ndarray], int | None]] = {}  # v -> (wire tensors, adapter base)
-        self.checked: dict[str, int] = {}  # worker -> groups verified
+        self.checked: dict[str, int] = {}  # worker -> groups verified in accepted submissions
         self.divergences: deque[float] = deque(maxlen=1000)  # of the newest verified groups, for status
+        self.draw_misses: deque[float] = deque(maxlen=1000)
         self.flagged: dict[str, str] = {}  # worker -> why
-        self._rng = random.Random(seed)
+        self._rng = random.SystemRandom()  # the OS's randomness: no seed a worker could learn
         self._model: torch.nn.Module | None = None
         self._loaded = -1
         self._lock = threading.Lock()
@@ -130,27 +169,43 @@ class RolloutVerifier:
                     del self.versions[old]
 
     def wants(self, worker: str) -> bool:
-        """Whether to verify this worker's next group."""
+        """Whether to verify this group of `worker`: an independent draw from the OS's randomness."""
         with self._lock:
-            return self.checked.get(worker, 0) < self.first or self._rng.random() < self.fraction
+            new = self.checked.get(worker, 0) < self.first
+            return self._rng.random() < (self.new_fraction if new else self.fraction)
 
-    def check(self, worker: str, version: int, group: list[Rollout]) -> float | None:
-        """The group's divergence d from version `version`, or None if that version is no longer kept.
-        Flags the worker when d > tolerance."""
+    def check(self, worker: str, version: int, seed: int, group_id: int, group: list[Rollout]) -> float | None:
+        """Replay a group's sampling (its lease's `seed`, its id, its completions in order) under version
+        `version`: returns its logprob divergence d, or None if that version is no longer kept. Flags the
+        worker when d > tolerance or a token's draw misses its interval by more than draw_tolerance."""
         with self._lock:
             if version not in self.versions:
                 return None
             self._load_locked(version)
             with torch.no_grad():
-                recomputed = sampler_logprobs(self._model, group, self.temperature, self.top_p)
+                recomputed, misses = replay_sampling(
+                    self._model, group, self.temperature, self.top_p, group_draws(seed, group_id, group)
+                )
             d = divergence([lp for r in group for lp in r.behaviour_logprobs], recomputed)
-            self.checked[worker] = self.checked.get(worker, 0) + 1
+            m = draw_miss(misses)
             self.divergences.append(d)
+            self.draw_misses.append(m)
             if d > self.tolerance:
                 self.flagged[worker] = (
                     f"logprobs diverge from v{version} by {d:.3f} nats/token (tolerance {self.tolerance})"
                 )
+            elif m > self.draw_tolerance:
+                self.flagged[worker] = (
+                    f"tokens were not sampled from the lease's draws under v{version}: a draw misses its "
+                    f"token's interval by {m:.4f} (tolerance {self.draw_tolerance})"
+                )
             return d
+
+    def accepted(self, worker: str, verified_groups: int) -> None:
+        """Count groups verified in a submission that was then accepted (only those are verified work)."""
+        if verified_groups:
+            with self._lock:
+                self.checked[worker] = self.checked.get(worker, 0) + verified_groups
 
     def _load_locked(self, version: int) -> None:
         if self._loaded == version:

@@ -5,18 +5,22 @@ no plaintext, no secio, no TLS fallback) and yamux; identify and ping stay on so
 implementations can talk to it. Requests are one frame each way on a fresh stream (see p2p.wire).
 
 Handlers are plain functions `handler(peer_id, message) -> reply` run in worker threads. A handler
-that raises `BadRequest` sends the peer an error reply; any other exception resets the stream and is
-logged. Nothing a handler does can stop the host.
+that raises `BadRequest` sends the peer an error reply; any other exception is this host's own failure:
+it is logged with its traceback and the peer gets an error reply marked internal (RemoteFailure on its
+side: try again later), never a penalty. Nothing a handler does can stop the host.
 
-Every inbound request is bounded before a handler sees it (p2p.wire: frame size before decoding,
-msgpack limits), must arrive within `read_timeout`, and a peer may hold only `max_streams_per_peer`
-requests open at once. Misbehaviour (a broken frame, a request too slow to arrive, a `Misbehaviour`
-refusal, a request without authorization) is a penalty; a peer with `ban_after` penalties within
-`ban_window` seconds is banned for `ban_seconds`: its streams are reset unread.
+Every inbound request is bounded before a handler sees it: its protocol's FrameLimits (p2p.wire) cap
+its size before it is read and its decoded size and containers while it is decoded, which happens in a
+worker thread, off the network loop. It must arrive within `read_timeout`, and a peer may hold only
+`max_streams_per_peer` requests open at once. Misbehaviour (any request that cannot be read or decoded,
+one too slow to arrive, a `Misbehaviour` or `MessageError` refusal, a request without authorization) is
+a penalty; a peer with `ban_after` penalties within `ban_window` seconds is banned for `ban_seconds`:
+its streams are reset unread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -38,7 +42,17 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
-from p2p.wire import DEFAULT_MAX_FRAME, HEADER, FrameError, decode_body, encode_frame, parse_header
+from p2p.messages import MessageError
+from p2p.wire import (
+    DEFAULT_MAX_FRAME,
+    HEADER,
+    REQUEST_LIMITS,
+    FrameError,
+    FrameLimits,
+    decode_body,
+    encode_frame,
+    parse_header,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +65,10 @@ class PeerUnavailable(Exception):
 
 class RemoteError(Exception):
     """The peer answered with an error (it refused our request); retrying the same request will not help."""
+
+
+class RemoteFailure(RemoteError):
+    """The peer failed while answering (its own error, not our request's): retrying later may work."""
 
 
 class Unauthorized(RemoteError):
@@ -278,6 +296,7 @@ class Host:
         self._stop = trio.Event()
         self._up = TokenBucket(self.config.upload_bps) if self.config.upload_bps else None
         self._down = TokenBucket(self.config.download_bps) if self.config.download_bps else None
+        self._decoders = trio.CapacityLimiter(4)  # threads decoding requests at once
         gossipsub = GossipSub(protocols=[GOSSIPSUB_ID], degree=6, degree_low=4, degree_high=12, heartbeat_interval=1)
         pubsub = Pubsub(host, gossipsub, strict_signing=True)
         async with host.run(listen_addrs=listen):
@@ -358,18 +377,26 @@ class Host:
         except Exception as exc:  # noqa: BLE001 - resets, dial errors, frame errors: all retryable elsewhere
             raise PeerUnavailable(f"{protocol} to {peer[-8:]} failed: {type(exc).__name__}: {exc}") from None
         if "error" in reply:
-            raise (Unauthorized if reply.get("unauthorized") else RemoteError)(str(reply["error"]))
+            kind = (
+                Unauthorized if reply.get("unauthorized") else RemoteFailure if reply.get("internal") else RemoteError
+            )
+            raise kind(str(reply["error"])[:500])
         return reply
 
-    def handle(self, protocol: str, handler: Handler, concurrency: int | None = None, guarded: bool = True) -> None:
+    def handle(
+        self, protocol: str, handler: Handler, concurrency: int | None = None, guarded: bool = True,
+        limits: FrameLimits = REQUEST_LIMITS,
+    ) -> None:  # fmt: skip
         """Serve `protocol` with `handler(peer_id, message) -> reply`, run in a worker thread.
 
         `concurrency` bounds how many requests are answered at once (the rest wait their turn), so that
         a capped uplink sends a few replies at full speed rather than many at a crawl. `guarded`: when
         the host has a gate, only peers it lets through are served (others get an error and a penalty).
+        `limits`: what one request may hold (p2p.wire.FrameLimits).
         """
         slots = self._run_sync(trio.Semaphore, concurrency) if concurrency else None
         cfg = self.config
+        limits = dataclasses.replace(limits, max_bytes=min(limits.max_bytes, cfg.max_frame))  # a host-wide cap too
 
         async def on_stream(stream: Any) -> None:
             peer = stream.muxed_conn.peer_id.to_base58()
@@ -378,32 +405,32 @@ class Host:
                 return
             self._open_streams[peer] = self._open_streams.get(peer, 0) + 1
             try:
-                with trio.fail_after(cfg.read_timeout):
-                    message = await self._read(stream)
+                try:
+                    with trio.fail_after(cfg.read_timeout):
+                        length, flags = parse_header(await self._read_exactly(stream, HEADER.size), limits.max_bytes)
+                        body = await self._read_exactly(stream, length)
+                    # decoding costs CPU in proportion to the (bounded) size: not on the network loop
+                    message = await trio.to_thread.run_sync(decode_body, body, flags, limits, limiter=self._decoders)
+                except Exception as exc:  # noqa: BLE001 - every request that cannot be read is the sender's offence
+                    self.guard.penalise(peer, "slow request" if isinstance(exc, trio.TooSlowError) else "bad frame")
+                    log.warning("%s from %s: %s: %s; stream reset", protocol, peer[-8:], type(exc).__name__, exc)
+                    await _reset_quietly(stream)
+                    return
                 if guarded and self.gate is not None and not self.gate(peer):
                     self.guard.penalise(peer, "unauthorized")
-                    refusal = {"error": f"{protocol}: not authorized", "unauthorized": True}
-                    await self._write(stream, encode_frame(refusal))
-                    await stream.close()
-                    return
-                if slots is not None:
-                    await slots.acquire()
-                try:
-                    try:
-                        reply = await trio.to_thread.run_sync(handler, peer, message)
-                    except BadRequest as exc:
-                        if isinstance(exc, Misbehaviour):
-                            self.guard.penalise(peer, "misbehaviour")
-                        reply = {"error": str(exc)}
-                    await self._write(stream, encode_frame(reply))
-                finally:
+                    reply = {"error": f"{protocol}: not authorized", "unauthorized": True}
+                else:
                     if slots is not None:
-                        slots.release()
+                        await slots.acquire()
+                    try:
+                        reply = await trio.to_thread.run_sync(self._answer, protocol, handler, peer, message)
+                    finally:
+                        if slots is not None:
+                            slots.release()
+                await self._write(stream, encode_frame(reply))
                 await stream.close()
-            except Exception as exc:  # noqa: BLE001 - nothing a peer sends may end the host
-                if isinstance(exc, FrameError | trio.TooSlowError):
-                    self.guard.penalise(peer, "slow request" if isinstance(exc, trio.TooSlowError) else "bad frame")
-                log.warning("%s from %s: %s: %s; stream reset", protocol, peer[-8:], type(exc).__name__, exc)
+            except Exception as exc:  # noqa: BLE001 - the reply could not be sent (the peer left): no offence
+                log.debug("%s to %s: reply not sent: %s: %s", protocol, peer[-8:], type(exc).__name__, exc)
                 await _reset_quietly(stream)
             finally:
                 left = self._open_streams.get(peer, 1) - 1
@@ -413,6 +440,21 @@ class Host:
                     self._open_streams.pop(peer, None)
 
         self._run_sync(self._host.set_stream_handler, TProtocol(protocol), on_stream)
+
+    def _answer(self, protocol: str, handler: Handler, peer: str, message: dict[str, Any]) -> dict[str, Any]:
+        """Run a handler (in a worker thread): its reply, or the error reply its exception calls for."""
+        try:
+            return handler(peer, message)
+        except (BadRequest, MessageError) as exc:
+            if isinstance(exc, Misbehaviour | MessageError):
+                self.guard.penalise(peer, "misbehaviour")
+            return {"error": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - our own failure: logged here, the peer may try again later
+            log.exception("%s handler failed on a request from %s", protocol, peer[-8:])
+            return {
+                "error": f"{protocol}: internal error ({type(exc).__name__}: {exc}); try again later",
+                "internal": True,
+            }
 
     def _run_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self._token is None:
@@ -456,8 +498,10 @@ class Host:
             await stream.write(piece)
 
     async def _read(self, stream: Any) -> dict[str, Any]:
+        """A reply to our own request (from a peer we chose to ask): the host's max_frame bounds it."""
         length, flags = parse_header(await self._read_exactly(stream, HEADER.size), self.config.max_frame)
-        return decode_body(await self._read_exactly(stream, length), flags, self.config.max_frame)
+        body = await self._read_exactly(stream, length)
+        return await trio.to_thread.run_sync(decode_body, body, flags, FrameLimits(max_bytes=self.config.max_frame))
 
     async def _read_exactly(self, stream: Any, n: int) -> bytes:
         parts, got = [], 0

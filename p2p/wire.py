@@ -1,13 +1,17 @@
 """Frames on a libp2p stream: a 5-byte header (body length, flags) and a msgpack body, maybe zstd'd.
 
-Sizes are checked before anything is decoded: a peer cannot make us allocate more than `max_size`
-bytes for one frame, nor decompress a small frame into a huge one.
+What a frame may cost is bounded before and while it is decoded (FrameLimits): its size on the wire is
+checked before it is read, its size after decompression while it is decompressed, and msgpack refuses
+arrays, maps, strings and binaries beyond the limits as it meets them. Every byte of msgpack makes at
+most one object, so a frame of n bytes costs O(n) to decode: a request protocol's small limit keeps
+a peer from making us decode much (a 1 KiB zstd frame may not expand into 8 MB of tiny objects).
 """
 
 from __future__ import annotations
 
 import io
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -17,6 +21,21 @@ HEADER = struct.Struct(">IB")  # body length, flags
 FLAG_ZSTD = 1
 COMPRESS_ABOVE = 64 * 1024  # bytes; small frames are not worth compressing
 DEFAULT_MAX_FRAME = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """What one frame may hold: bytes (on the wire and decompressed), and per container or string."""
+
+    max_bytes: int = DEFAULT_MAX_FRAME
+    max_array: int = 1_000_000
+    max_map: int = 10_000
+    max_str: int = 1 << 20
+    max_bin: int = DEFAULT_MAX_FRAME
+
+
+REQUEST_LIMITS = FrameLimits(max_bytes=64 * 1024, max_array=4096, max_map=64, max_str=4096, max_bin=64 * 1024)
+"""The default for requests a host serves: every request but a rollout submission is small."""
 
 
 class FrameError(ValueError):
@@ -42,7 +61,9 @@ def parse_header(header: bytes, max_size: int) -> tuple[int, int]:
     return length, flags
 
 
-def decode_body(body: bytes, flags: int, max_size: int) -> dict[str, Any]:
+def decode_body(body: bytes, flags: int, limits: FrameLimits) -> dict[str, Any]:
+    """The message of a frame's body, within `limits` (FrameError otherwise)."""
+    max_size = limits.max_bytes
     if flags & FLAG_ZSTD:
         try:  # a streaming read: the frame's own claimed content size is never trusted for allocation
             with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)) as reader:
@@ -52,9 +73,13 @@ def decode_body(body: bytes, flags: int, max_size: int) -> dict[str, Any]:
         if len(body) > max_size:
             raise FrameError(f"decompressed frame exceeds the limit of {max_size}")
     try:
-        message = msgpack.unpackb(body, raw=False, strict_map_key=True, max_array_len=1_000_000, max_map_len=10_000)
+        message = msgpack.unpackb(
+            body, raw=False, strict_map_key=True,
+            max_array_len=limits.max_array, max_map_len=limits.max_map,
+            max_str_len=limits.max_str, max_bin_len=limits.max_bin, max_ext_len=0,
+        )  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - msgpack raises several types for malformed input
-        raise FrameError(f"bad msgpack body: {type(exc).__name__}") from None
+        raise FrameError(f"bad msgpack body: {type(exc).__name__}: {str(exc)[:80]}") from None
     if not isinstance(message, dict):
         raise FrameError("a frame must hold a map")
     return message

@@ -42,7 +42,8 @@ def train(policy, engine, steps: int, lr: float, lora: bool) -> None:
     for step in range(1, steps + 1):
         problems = [task.sample(rng) for _ in range(4)]
         prompts = [policy.render_prompt(p.prompt) for p in problems]
-        groups = engine.generate([GenerationRequest(p, 8) for p in prompts], SamplingParams(1.0, 1.0, 48, step))
+        requests = [GenerationRequest(p, 8, k) for k, p in enumerate(prompts)]
+        groups = engine.generate(requests, SamplingParams(1.0, 1.0, 48, step))
         trainer.step([r for g in score_groups(task, policy, problems, prompts, groups, step - 1) for r in g])
         if lora:
             engine.load_adapters(spec, export_tensors(policy.model, adapter_only=True))

@@ -38,7 +38,8 @@ def test_llamacpp_logits_match_torch(tiny, engine):
 def test_generate_groups_and_behaviour_logprobs(tiny, engine):
     prompts = [tiny.render_prompt(f"What is {i} + {i}?") for i in range(3)]
     params = SamplingParams(temperature=0.8, top_p=1.0, max_new_tokens=12, seed=7)
-    groups = engine.generate([GenerationRequest(p, 4) for p in prompts], params)  # 12 sequences, max_batch 8: 2 waves
+    requests = [GenerationRequest(p, 4, k) for k, p in enumerate(prompts)]
+    groups = engine.generate(requests, params)  # 12 sequences, max_batch 8: 2 waves
     assert [len(g) for g in groups] == [4, 4, 4]
     rollouts = []
     for p, group in zip(prompts, groups, strict=True):
@@ -53,7 +54,7 @@ def test_generate_groups_and_behaviour_logprobs(tiny, engine):
     ours = np.array([lp for r in rollouts for lp in r.behaviour_logprobs])
     assert np.abs(ours - ref).max() < 5e-3
     # same seed, same completions
-    again = engine.generate([GenerationRequest(p, 4) for p in prompts], params)
+    again = engine.generate([GenerationRequest(p, 4, k) for k, p in enumerate(prompts)], params)
     assert [[c.tokens for c in g] for g in again] == [[c.tokens for c in g] for g in groups]
 
 

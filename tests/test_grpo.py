@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from learner.grpo import group_advantages, policy_loss
+from learner.grpo import REWARD_LIMIT, clamp_reward, group_advantages, policy_loss
 
 
 def test_group_advantages_by_hand():
@@ -59,16 +59,49 @@ def test_kl_penalty_k3():
     assert stats["kl_ref"] == pytest.approx(float(k3.mean()), rel=1e-6)
 
 
-def test_decoupled_objective_reweights_instead_of_clipping():
+def test_decoupled_objective_reweights_and_clips_to_the_proximal_policy():
     logp_mu = torch.tensor([-1.0, -2.0, -3.0])
-    log_ratio = torch.tensor([0.1, 0.5, 1.5])  # how far the learner moved from the (stale) sampler
-    logp = (logp_mu + log_ratio).clone().requires_grad_(True)
+    prox = logp_mu + torch.tensor([0.1, 0.5, 1.5])  # how far the learner had moved from the (stale) sampler
+    iw = [math.exp(0.1), math.exp(0.5), 3.0]  # exp(1.5) = 4.48 is truncated at the cap
     adv = torch.tensor([1.0, 2.0, -1.0])
     w = torch.full((3,), 1 / 3)
-    loss, stats = policy_loss(logp, logp_mu, adv, w, 0.2, 0.2, ratio_cap=3.0, decoupled=True)
-    iw = [math.exp(0.1), math.exp(0.5), 3.0]  # exp(1.5) = 4.48 is truncated at the cap
+    # first update of a step: pi_theta = pi_prox, ratio 1, every token keeps its gradient, weighted by iw
+    logp = prox.clone().requires_grad_(True)
+    loss, stats = policy_loss(logp, logp_mu, adv, w, 0.2, 0.2, ratio_cap=3.0, logp_proximal=prox)
     assert loss.item() == pytest.approx(-(iw[0] * 1 + iw[1] * 2 + iw[2] * -1) / 3, rel=1e-6)
     loss.backward()
-    # the proximal ratio is 1 at the start of the step: every token keeps its gradient, weighted by iw
     assert logp.grad.tolist() == pytest.approx([-iw[0] / 3, -2 * iw[1] / 3, iw[2] / 3], rel=1e-6)
     assert stats["clip_frac"] == 0.0
+    # a later update, the policy moved past the trust region on token 1 (A > 0, ratio 1.5 > 1.2): clipped
+    logp = (prox + torch.tensor([0.0, math.log(1.5), 0.0])).requires_grad_(True)
+    loss, stats = policy_loss(logp, logp_mu, adv, w, 0.2, 0.2, ratio_cap=3.0, logp_proximal=prox)
+    loss.backward()
+    assert logp.grad[1].item() == 0.0 and logp.grad[0].item() != 0.0
+    assert stats["clip_frac"] == pytest.approx(1 / 3)
+
+
+def test_extreme_behaviour_logprobs_give_finite_loss_and_gradient():
+    # a forged logprob of -1000 made exp(logp - logp_mu) overflow to inf; its backward gave 0 * inf = NaN
+    logp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    logp_mu = torch.tensor([-1000.0, -2.0, 1000.0])
+    for adv in (torch.tensor([1.0, 1.0, -1.0]), torch.tensor([-1.0, 1.0, 1.0])):
+        for prox in (None, logp.detach()):
+            logp.grad = None
+            loss, stats = policy_loss(logp, logp_mu, adv, torch.full((3,), 1 / 3), 0.2, 0.28, 3.0, logp_proximal=prox)
+            loss.backward()
+            assert math.isfinite(loss.item()) and torch.isfinite(logp.grad).all()
+            assert all(math.isfinite(v) for v in stats.values())
+
+
+def test_equal_rewards_give_exactly_zero_advantages():
+    rewards = torch.tensor([[0.1] * 7, [0.7] * 7, [1 / 3] * 7], dtype=torch.float64)
+    assert rewards[0].mean() != 0.1 and rewards[1].mean() != 0.7  # rounding: why "equal" must be tested
+    assert torch.equal(group_advantages(rewards), torch.zeros_like(rewards))
+
+
+def test_rewards_are_made_finite_and_bounded():
+    assert [clamp_reward(x) for x in (math.inf, -math.inf, math.nan, 1e9, -1e9, 0.5)] == [
+        0.0, 0.0, 0.0, REWARD_LIMIT, -REWARD_LIMIT, 0.5,
+    ]  # fmt: skip
+    adv = group_advantages(torch.tensor([[clamp_reward(r) for r in (math.inf, 1.0, -math.inf, 0.0)]]))
+    assert torch.isfinite(adv).all()

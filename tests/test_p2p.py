@@ -14,10 +14,19 @@ from libp2p.crypto.ed25519 import Ed25519PrivateKey
 
 from p2p.broadcast import CHUNK, BroadcastPeer, ChunkServer, ChunkStore, Seeder
 from p2p.codec import CodecError, bf16_bits, bf16_to_f32
-from p2p.host import BadRequest, Host, HostConfig, IdentityError, PeerUnavailable, RemoteError, load_identity
+from p2p.host import (
+    BadRequest,
+    Host,
+    HostConfig,
+    IdentityError,
+    PeerUnavailable,
+    RemoteError,
+    RemoteFailure,
+    load_identity,
+)
 from p2p.manifest import Manifest, ManifestError
 from p2p.versions import build_version, rebuild_raw, tensors_of
-from p2p.wire import FrameError, decode_body, encode_frame, parse_header
+from p2p.wire import REQUEST_LIMITS, FrameError, FrameLimits, decode_body, encode_frame, parse_header
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,14 +66,20 @@ def test_request_reply_errors_and_a_crashing_handler(hosts):
             raise BadRequest("no thanks")
         return {"echo": msg["x"], "peer": peer}
 
-    a.handle("/echo/test/1", handler)
+    a.handle("/echo/test/1", handler, limits=FrameLimits())
     assert b.request(a.addrs[0], "/echo/test/1", {"x": 1}) == {"echo": 1, "peer": b.peer_id}
-    with pytest.raises(PeerUnavailable):
+    # the host's own failure is answered as such (the asker may try again later), never a penalty
+    with pytest.raises(RemoteFailure, match="internal error.*handler bug"):
         b.request(a.peer_id, "/echo/test/1", {"crash": True}, timeout=5)
     with pytest.raises(RemoteError, match="no thanks"):
         b.request(a.peer_id, "/echo/test/1", {"refuse": True}, timeout=5)
+    assert a.guard.counts == {}
     big = os.urandom(3_000_000)
     assert b.request(a.peer_id, "/echo/test/1", {"x": big})["echo"] == big  # the host survived
+    a.handle("/echo/small/1", handler)  # the default limits of a request: 64 KiB
+    with pytest.raises(PeerUnavailable):
+        b.request(a.peer_id, "/echo/small/1", {"x": big}, timeout=5)
+    assert a.guard.counts == {"bad frame": 1}
     with pytest.raises(PeerUnavailable):
         b.request(a.peer_id, "/echo/unknown/1", {}, timeout=5)
 
@@ -81,20 +96,32 @@ def test_oversized_frame_is_refused(hosts):
 
 def test_frames_are_checked_before_decoding():
     frame = encode_frame({"a": 1})
-    assert decode_body(frame[5:], parse_header(frame[:5], 100)[1], 100) == {"a": 1}
+    small = FrameLimits(max_bytes=100)
+    assert decode_body(frame[5:], parse_header(frame[:5], 100)[1], small) == {"a": 1}
     with pytest.raises(FrameError, match="exceeds"):
         parse_header(encode_frame({"a": b"x" * 500})[:5], 100)
     with pytest.raises(FrameError, match="flags"):
         parse_header(b"\0\0\0\1\x80", 100)
     with pytest.raises(FrameError):
-        decode_body(b"\xc1garbage", 0, 100)
+        decode_body(b"\xc1garbage", 0, small)
     with pytest.raises(FrameError, match="map"):
-        decode_body(b"\x01", 0, 100)
+        decode_body(b"\x01", 0, small)
     import zstandard
 
     bomb = zstandard.ZstdCompressor().compress(b"\0" * 10_000_000)  # 10 MB from a few hundred bytes
     with pytest.raises(FrameError, match="exceeds"):
-        decode_body(bomb, 1, 1_000_000)
+        decode_body(bomb, 1, FrameLimits(max_bytes=1_000_000))
+    # cost limits while decoding: containers and nesting beyond a request's limits are refused
+    import msgpack
+
+    with pytest.raises(FrameError, match="max_array_len"):
+        decode_body(msgpack.packb({"a": [None] * 5000}), 0, REQUEST_LIMITS)
+    with pytest.raises(FrameError, match="StackError"):
+        decode_body(b"\x81\xa1a" + b"\x91" * 3000 + b"\xc0", 0, REQUEST_LIMITS)
+    with pytest.raises(FrameError, match="max_map_len"):  # a compressed frame is limited after decompression
+        decode_body(
+            zstandard.ZstdCompressor().compress(msgpack.packb({str(i): 0 for i in range(65)})), 1, REQUEST_LIMITS
+        )
 
 
 def test_identity_is_persistent_and_private(tmp_path):

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from p2p.draws import uniform, uniforms
 from worker.sampling import sample_next
 
 
@@ -9,31 +10,44 @@ def log_softmax(x):
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
+def draws(n, seed=1):
+    return uniforms(seed, [(0, i, 0) for i in range(n)])
+
+
 def test_logprobs_are_those_of_the_tempered_distribution():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(16, 50)).astype(np.float32)
-    tokens, logprobs = sample_next(logits, 0.7, 1.0, np.random.default_rng(1))
+    tokens, logprobs = sample_next(logits, 0.7, 1.0, draws(16))
     expected = log_softmax(logits.astype(np.float64) / 0.7)[np.arange(16), tokens]
     assert np.allclose(logprobs, expected, atol=1e-9)
 
 
 def test_samples_follow_the_distribution():
     logits = np.log(np.array([[0.5, 0.3, 0.2]] * 20000))
-    tokens, _ = sample_next(logits, 1.0, 1.0, np.random.default_rng(2))
+    tokens, _ = sample_next(logits, 1.0, 1.0, draws(20000, seed=2))
     freq = np.bincount(tokens, minlength=3) / len(tokens)
     assert freq == pytest.approx([0.5, 0.3, 0.2], abs=0.02)
 
 
 def test_top_p_truncates_and_renormalises():
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 4000))
-    tokens, logprobs = sample_next(logits, 1.0, 0.8, np.random.default_rng(3))
+    tokens, logprobs = sample_next(logits, 1.0, 0.8, draws(4000, seed=3))
     assert set(tokens.tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.8
     for t, lp in zip(tokens, logprobs, strict=True):
         assert lp == pytest.approx(np.log([0.5 / 0.8, 0.3 / 0.8][t]))
 
 
-def test_same_seed_same_tokens():
-    logits = np.random.default_rng(4).normal(size=(8, 100))
-    a = sample_next(logits, 1.0, 0.9, np.random.default_rng(5))
-    b = sample_next(logits, 1.0, 0.9, np.random.default_rng(5))
-    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+def test_the_token_is_the_inverse_cdf_of_its_draw_in_token_id_order():
+    logits = np.log(np.array([[0.1, 0.2, 0.3, 0.4]] * 4))
+    u = np.array([0.05, 0.15, 0.55, 0.95])  # cumulative 0.1, 0.3, 0.6, 1.0
+    tokens, _ = sample_next(logits, 1.0, 1.0, u)
+    assert tokens.tolist() == [0, 1, 2, 3]
+
+
+def test_draws_depend_only_on_their_key():
+    a = uniform(7, 3, 1, 5)
+    assert a == uniform(7, 3, 1, 5) and 0 < a < 1
+    others = {uniform(8, 3, 1, 5), uniform(7, 4, 1, 5), uniform(7, 3, 2, 5), uniform(7, 3, 1, 6)}
+    assert a not in others and len(others) == 4
+    u = uniforms(7, [(g, c, p) for g in range(10) for c in range(10) for p in range(100)])
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.01  # 10,000 draws, sd of the mean 0.003

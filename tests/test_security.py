@@ -11,7 +11,7 @@ from libp2p.crypto.ed25519 import Ed25519PrivateKey
 from learner.journal import FRAME, RolloutJournal, group_of, read_journal, read_records
 from learner.replay import ScoredGroup
 from learner.trainer import Rollout
-from learner.verify import CAP, divergence, sampler_logprobs
+from learner.verify import CAP, divergence, replay_sampling
 from p2p.auth import SwarmAuth, proof, read_allow_list, read_secret
 from p2p.broadcast import ChunkStore
 from p2p.config import ConfigError
@@ -118,8 +118,8 @@ def test_divergence_takes_the_closest_nucleus_and_caps_each_token(tiny):
     batch = [Rollout([1, 5, 9], [7, 8, 9, 10], [], 0.0)]
     model = tiny.model.float().eval()
     with torch.no_grad():
-        full = sampler_logprobs(model, batch, 1.0, 1.0)  # [1, 4]
-        nucleus = sampler_logprobs(model, batch, 1.0, 0.5)  # [2, 4]
+        full, _ = replay_sampling(model, batch, 1.0, 1.0)  # [1, 4]
+        nucleus, _ = replay_sampling(model, batch, 1.0, 0.5)  # [2, 4]
     assert full.shape == (1, 4) and nucleus.shape == (2, 4)
     kept = torch.isfinite(nucleus[0])
     assert (nucleus[0][kept] >= full[0][kept]).all()  # renormalised over a smaller set: more likely

@@ -25,9 +25,22 @@ import numpy as np
 from p2p.auth import authenticate, read_secret
 from p2p.broadcast import BroadcastPeer, ChunkStore
 from p2p.codec import CodecError, bf16_to_f32
-from p2p.host import Host, HostConfig, PeerUnavailable, RemoteError, Unauthorized, load_identity
+from p2p.config import ConfigError
+from p2p.host import Host, HostConfig, PeerUnavailable, RemoteError, RemoteFailure, Unauthorized, load_identity
 from p2p.manifest import Manifest, ManifestError
-from p2p.messages import HEARTBEAT, LEASE, ROLLOUT, SPEC, GenerationRequest, ModelSpec, SamplingParams
+from p2p.messages import (
+    HEARTBEAT,
+    LEASE,
+    ROLLOUT,
+    SPEC,
+    GenerationRequest,
+    GroupSubmission,
+    Heartbeat,
+    LeaseRequest,
+    ModelSpec,
+    RolloutSubmission,
+    SamplingParams,
+)
 from p2p.versions import tensors_of
 from worker.config import WorkerConfig
 from worker.engines import make_engine
@@ -95,6 +108,11 @@ class WorkerDaemon:
                     self.stop.wait(backoff)
                     backoff = min(backoff * 2, 10.0)
                     self.spec = None
+                except RemoteFailure as exc:  # the learner failed on its side (e.g. its disk): not our fault
+                    self.state = "learner error"
+                    log.warning("learner error (%s); retrying in %.0fs", exc, backoff)
+                    self.stop.wait(backoff)
+                    backoff = min(backoff * 2, 10.0)
                 except RemoteError as exc:
                     log.warning("learner refused: %s", exc)
                     self.stop.wait(1.0)
@@ -115,6 +133,12 @@ class WorkerDaemon:
             authenticate(self.host, self.cfg.learner, self.secret)
             self.peer.join()
             reply = self._request(SPEC, {})
+            group_size = reply.get("group_size", 0)
+            if isinstance(group_size, int) and group_size > self.cfg.max_batch:
+                raise ConfigError(
+                    f"worker.max_batch {self.cfg.max_batch} is below the learner's group size {group_size}: "
+                    f"join with --max-batch {group_size} or more"
+                )
             self.spec = ModelSpec.from_dict(reply["spec"])
             if reply["run_id"] != self.run_id:  # a new run, or the learner restarted: versions start over
                 self.run_id, self.held, self.version = reply["run_id"], None, -1
@@ -127,7 +151,7 @@ class WorkerDaemon:
             self._update()
         if self.version < 0:
             return
-        reply = self._request(LEASE, {"version": self.version, "max_groups": self.cfg.max_groups})
+        reply = self._request(LEASE, LeaseRequest(self.version, self.cfg.max_groups).to_wire())
         if "wait" in reply:
             self.newest = reply.get("newest", self.newest)
             if self.newest != self.version:
@@ -142,12 +166,7 @@ class WorkerDaemon:
         self._work(reply["lease"])
 
     def _heartbeat(self) -> dict:
-        return {
-            "version": self.version,
-            "tokens_per_s": self.tokens_per_s,
-            "price": self.cfg.price,
-            "hardware": self.hardware,
-        }
+        return Heartbeat(self.version, self.tokens_per_s, self.cfg.price, self.hardware).to_wire()
 
     def _update(self) -> None:
         """Sync to the newest version through the swarm and swap it into the engine.
@@ -187,7 +206,9 @@ class WorkerDaemon:
         version = self.version
         p = lease["params"]
         params = SamplingParams(float(p["temperature"]), float(p["top_p"]), int(p["max_new_tokens"]), int(p["seed"]))
-        requests = [GenerationRequest(list(g["prompt_ids"]), int(lease["group_size"])) for g in lease["groups"]]
+        requests = [
+            GenerationRequest(list(g["prompt_ids"]), int(lease["group_size"]), int(g["group"])) for g in lease["groups"]
+        ]
         log.debug("lease %d: %d groups on v%d", lease["id"], len(requests), version)
         self.state = f"generating lease {lease['id']} ({len(requests)} groups) on v{version}"
         tick = time.perf_counter()
@@ -195,19 +216,11 @@ class WorkerDaemon:
         elapsed = time.perf_counter() - tick
         tokens = sum(len(c.tokens) for g in groups for c in g)
         self.tokens_per_s = tokens / max(elapsed, 1e-9)
-        payload = {
-            "lease": lease["id"],
-            "version": version,
-            "groups": [
-                {
-                    "group": g["group"],
-                    "completions": [
-                        {"tokens": c.tokens, "logprobs": c.logprobs, "finish": c.finish_reason} for c in cs
-                    ],
-                }
-                for g, cs in zip(lease["groups"], groups, strict=True)
-            ],
-        }
+        payload = RolloutSubmission(
+            lease["id"],
+            version,
+            [GroupSubmission(g["group"], cs) for g, cs in zip(lease["groups"], groups, strict=True)],
+        ).to_wire()
         try:
             self._request(ROLLOUT, payload, timeout=60)
             self.leases_done += 1

@@ -1,18 +1,19 @@
-"""Sampling in our own code, so that every sampled token comes with its exact behaviour logprob."""
+"""Sampling in our own code, so that every sampled token comes with its exact behaviour logprob and is
+drawn from the lease's counter-based stream (p2p.draws), which the learner can replay."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from p2p.draws import inverse_cdf
 
-def sample_next(
-    logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """Draw one token per row of `logits` [n, V]; return (tokens [n], logprobs [n]).
+
+def sample_next(logits: np.ndarray, temperature: float, top_p: float, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Draw one token per row of `logits` [n, V] with the uniforms `u` [n]; return (tokens [n], logprobs [n]).
 
     The distribution is p = softmax(logits / temperature), restricted to the smallest set of most
-    likely tokens whose mass reaches top_p and renormalised. The returned logprob is log p(token)
-    under that final distribution.
+    likely tokens whose mass reaches top_p and renormalised. The token is p's inverse CDF at u in
+    token-id order (p2p.draws); the returned logprob is log p(token) under that final distribution.
     """
     z = logits.astype(np.float64, copy=False) / temperature  # [n, V]
     z = z - z.max(axis=1, keepdims=True)
@@ -29,10 +30,7 @@ def sample_next(
         kept_mass = probs.sum(axis=1, keepdims=True)
         probs = probs / kept_mass
         logp = np.where(keep, logp - np.log(kept_mass), -np.inf)
-    cdf = np.cumsum(probs, axis=1)  # [n, V]
-    u = rng.random(len(cdf)) * cdf[:, -1]
-    tokens = (cdf < u[:, None]).sum(axis=1)
-    tokens = np.minimum(tokens, logits.shape[1] - 1)
+    tokens = inverse_cdf(probs, u)
     # a token of probability 0 can never be drawn: step back onto the last kept one if rounding put us there
     chosen = logp[np.arange(len(tokens)), tokens]
     for i in np.nonzero(~np.isfinite(chosen))[0]:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from p2p.draws import uniforms
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams, is_adapter
 from worker.sampling import sample_next
 
@@ -81,21 +82,19 @@ class TransformersEngine:
         if self.model is None:
             raise RuntimeError("no policy loaded: call load_policy() first")
         torch.set_num_threads(self.threads)
-        rng = np.random.default_rng(params.seed)
-        return [self._generate_group(r, params, rng) for r in requests]
+        return [self._generate_group(r, params) for r in requests]
 
-    def _generate_group(
-        self, request: GenerationRequest, params: SamplingParams, rng: np.random.Generator
-    ) -> list[Completion]:
+    def _generate_group(self, request: GenerationRequest, params: SamplingParams) -> list[Completion]:
         g = request.group_size
         ids = torch.tensor([request.prompt_ids] * g)  # [G, T]
         cache = DynamicCache()
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
         seqs = [Completion(tokens=[], logprobs=[], finish_reason="length") for _ in range(g)]
         alive = np.ones(g, dtype=bool)
-        for _ in range(params.max_new_tokens):
+        for position in range(params.max_new_tokens):
             logits = out.logits[:, -1, :].float().numpy()  # [G, V]
-            tokens, logprobs = sample_next(logits, params.temperature, params.top_p, rng)
+            u = uniforms(params.seed, [(request.group, j, position) for j in range(g)])  # p2p.draws
+            tokens, logprobs = sample_next(logits, params.temperature, params.top_p, u)
             for i in np.nonzero(alive)[0]:
                 seqs[i].tokens.append(int(tokens[i]))
                 seqs[i].logprobs.append(float(logprobs[i]))

@@ -3,7 +3,8 @@
 llama-cpp-python's high-level API decodes one sequence at a time and its logprobs path is slow. Here
 the low-level API decodes every live sequence of a wave in one `llama_decode` call: the G completions
 of a prompt share the prompt's KV cells (`llama_memory_seq_cp`), and tokens are drawn by
-`worker.sampling.sample_next`, which also gives the exact behaviour logprob of each token.
+`worker.sampling.sample_next` from the lease's counter-based stream (p2p.draws), which also gives the
+exact behaviour logprob of each token.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from p2p.draws import uniforms
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams, is_adapter
 from worker.gguf_writer import write_gguf, write_lora_gguf
 from worker.sampling import sample_next
@@ -150,7 +152,6 @@ class LlamaCppEngine:
         """Complete every request `group_size` times; returns one list of completions per request."""
         if self.model is None:
             raise RuntimeError("no policy loaded: call load_policy() first")
-        rng = np.random.default_rng(params.seed)
         results: list[list[Completion]] = []
         wave: list[GenerationRequest] = []
         wave_seqs = 0
@@ -158,17 +159,15 @@ class LlamaCppEngine:
             if request.group_size > self.max_batch:
                 raise ValueError(f"group size {request.group_size} exceeds max_batch {self.max_batch}")
             if wave_seqs + request.group_size > self.max_batch:
-                results.extend(self._generate_wave(wave, params, rng))
+                results.extend(self._generate_wave(wave, params))
                 wave, wave_seqs = [], 0
             wave.append(request)
             wave_seqs += request.group_size
         if wave:
-            results.extend(self._generate_wave(wave, params, rng))
+            results.extend(self._generate_wave(wave, params))
         return results
 
-    def _generate_wave(
-        self, wave: list[GenerationRequest], params: SamplingParams, rng: np.random.Generator
-    ) -> list[list[Completion]]:
+    def _generate_wave(self, wave: list[GenerationRequest], params: SamplingParams) -> list[list[Completion]]:
         n_seqs = sum(r.group_size for r in wave)
         self._ensure_context(sum(len(r.prompt_ids) for r in wave) + n_seqs * params.max_new_tokens + 16)
         memory = llama_cpp.llama_get_memory(self.ctx)
@@ -192,8 +191,10 @@ class LlamaCppEngine:
 
         # The first token of every sequence comes from its prompt's logits.
         rows = np.repeat(prompt_logits, [r.group_size for r in wave], axis=0)  # [n_seqs, V]
-        tokens, logprobs = sample_next(rows, params.temperature, params.top_p, rng)
         seqs = [Completion(tokens=[], logprobs=[], finish_reason="length") for _ in range(n_seqs)]
+        keys = [(r.group, j) for r in wave for j in range(r.group_size)]  # sequence -> (group, completion)
+        u = uniforms(params.seed, [(*keys[s], 0) for s in range(n_seqs)])
+        tokens, logprobs = sample_next(rows, params.temperature, params.top_p, u)
         positions = [len(r.prompt_ids) for r in wave for _ in range(r.group_size)]
         alive = list(range(n_seqs))
         while True:
@@ -213,7 +214,8 @@ class LlamaCppEngine:
                 break
             batch = [(seqs[s].tokens[-1], positions[s] + len(seqs[s].tokens) - 1, s, True) for s in alive]
             logits = self._decode(batch)  # [len(alive), V]
-            tokens, logprobs = sample_next(logits, params.temperature, params.top_p, rng)
+            u = uniforms(params.seed, [(*keys[s], len(seqs[s].tokens)) for s in alive])
+            tokens, logprobs = sample_next(logits, params.temperature, params.top_p, u)
 
         out, start = [], 0
         for r in wave:
