@@ -272,16 +272,25 @@ def bench_verify(
     wire_dtype: str = typer.Option("f16", "--wire-dtype", help="f16 or bf16 published weights."),
     threads: int = typer.Option(2, "--threads", help="CPU threads."),
     cache_dir: str = typer.Option("~/.cache/echo-rl", "--cache-dir", help="Model cache."),
+    temperatures: str = typer.Option("1.0", "--temperatures", help="Comma-separated sampling temperatures."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Calibrate rollout verification: honest llama.cpp logprob noise against forged logprobs."""
+    """Calibrate rollout verification: honest llama.cpp rollouts against forged logprobs and unsampled text."""
     setup_logging()
     from echo_cli.bench import run_verify_bench
 
     if wire_dtype not in ("f16", "bf16") or not 0 < top_p <= 1:
         raise fail("--wire-dtype must be f16 or bf16 and --top-p in (0, 1]")
     try:
-        run_verify_bench(model, prompts, group_size, max_new_tokens, top_p, wire_dtype, threads, cache_dir, json_out)
+        temps = [float(t) for t in temperatures.split(",")]
+    except ValueError:
+        raise fail(f"--temperatures must be numbers separated by commas, got {temperatures!r}") from None
+    if not temps or min(temps) <= 0:
+        raise fail(f"--temperatures must all be > 0, got {temperatures!r}")
+    try:
+        run_verify_bench(
+            model, prompts, group_size, max_new_tokens, top_p, wire_dtype, threads, cache_dir, json_out, temps
+        )
     except user_errors() as exc:
         raise fail(str(exc)) from None
 

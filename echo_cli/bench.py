@@ -183,16 +183,17 @@ def _codec_row(lr: float | None, payload: str, pv, raw_size: int, encode_s: floa
 
 def run_verify_bench(
     model: str, prompts: int, group_size: int, max_new_tokens: int, top_p: float, wire_dtype: str, threads: int,
-    cache_dir: str, json_out: bool,
+    cache_dir: str, json_out: bool, temperatures: list[float], tolerance: float = 0.02, draw_tolerance: float = 0.02,
 ) -> dict:  # fmt: skip
-    """Calibrate rollout verification: how far honest llama.cpp logprobs are from the learner's
-    recomputation (learner.verify.divergence per group), and how far forged ones land.
+    """Calibrate rollout verification (learner.verify): per group, the logprob divergence d and the draw
+    miss m of honest llama.cpp rollouts against forgeries, at each temperature.
 
-    Honest: the llama.cpp engine samples from the published 16-bit weights (F16 GGUF, as a worker does).
-    Forged, from the same honest groups: every logprob set to 0 (claims certainty: inflates ratios),
-    halved, shuffled within each completion, and jittered by Gaussian noise of 0.1 nats; and
-    "other policy": completions sampled from weights perturbed by 1% relative noise, reported with the
-    perturbed policy's own (exact) logprobs.
+    Honest: the llama.cpp engine samples from the published 16-bit weights (F16 GGUF, as a worker does)
+    with the lease's draws (p2p.draws). Forged from the same groups: logprobs all 0, logprobs jittered by
+    0.1 nats; and text with exact logprobs (what the sampling proof must catch): unsampled random tokens,
+    completions sampled with another seed, one token of every completion changed, and completions of
+    another policy (weights with 1% relative noise, same draws). "caught" is the share of groups with
+    d > tolerance or m > draw_tolerance.
     """
     import copy
 
@@ -204,7 +205,7 @@ def run_verify_bench(
     from learner.publisher import wire_tensors
     from learner.tasks import make_task
     from learner.trainer import Rollout
-    from learner.verify import RolloutVerifier, to_float
+    from learner.verify import RolloutVerifier, merged_weights, replay_sampling, to_float
     from p2p.messages import GenerationRequest, SamplingParams
     from worker.engines.llamacpp import LlamaCppEngine
 
@@ -215,65 +216,107 @@ def run_verify_bench(
     prompt_ids = [policy.render_prompt(task.sample(rng).prompt) for _ in range(prompts)]
     tensors = wire_tensors(policy.model, wire_dtype)
     config = copy.deepcopy(policy.model.config)
-    verifier = RolloutVerifier(lambda: AutoModelForCausalLM.from_config(config), 1.0, top_p, 1, 0.0, 1e9)
-    verifier.remember(0, tensors, None)
-
-    def sample(weights: dict) -> list[list]:
-        engine = LlamaCppEngine(tempfile.mkdtemp(prefix="echo-verify-"), threads=threads, max_batch=32)
-        engine.load_policy(spec, {n: to_float(a).numpy() for n, a in weights.items()})
-        params = SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=max_new_tokens, seed=1)
-        groups = engine.generate([GenerationRequest(p, group_size, k) for k, p in enumerate(prompt_ids)], params)
-        engine.close()
-        return groups
-
-    def divergences(groups: list[list], forge=lambda lps, r: lps) -> list[float]:
-        out = []
-        for i, (prompt, group) in enumerate(zip(prompt_ids[: len(groups)], groups, strict=True)):
-            r = np.random.default_rng(i)
-            rollouts = [Rollout(prompt, c.tokens, forge(list(c.logprobs), r), 0.0, 0.0, 0) for c in group]
-            out.append(verifier.check("bench", 0, rollouts))
-        return out
-
-    honest_groups = sample(tensors)
+    exact = AutoModelForCausalLM.from_config(config).float().eval()  # what a forger computes logprobs with
+    exact.load_state_dict(merged_weights(tensors, None, 0.0), strict=False)
     torch.set_num_threads(threads)
-    divergences(honest_groups[:1])  # warm-up: builds the verifier's model
-    tick = time.perf_counter()
-    honest = divergences(honest_groups)
-    check_s = (time.perf_counter() - tick) / len(honest_groups)
     noise = np.random.default_rng(7)
     perturbed = {
         n: (a.astype(np.float32) * (1 + 0.01 * noise.standard_normal(a.shape))).astype(a.dtype)
         if a.dtype != np.uint16 else a
         for n, a in tensors.items()
     }  # fmt: skip
-    rows = {
-        "honest": honest,
-        "all logprobs 0": divergences(honest_groups, lambda lps, r: [0.0] * len(lps)),
-        "halved": divergences(honest_groups, lambda lps, r: [x / 2 for x in lps]),
-        "shuffled": divergences(honest_groups, lambda lps, r: list(r.permutation(lps))),
-        "jitter 0.1 nats": divergences(
-            honest_groups, lambda lps, r: list(np.minimum(0, lps + r.normal(0, 0.1, len(lps))))
-        ),
-        "other policy (1% weight noise)": divergences(sample(perturbed)),
-    }
-    tokens = sum(len(c.tokens) for g in honest_groups for c in g)
+    seed = 12345
+
+    def sample(weights: dict, temperature: float, seed: int) -> list[list]:
+        engine = LlamaCppEngine(tempfile.mkdtemp(prefix="echo-verify-"), threads=threads, max_batch=32)
+        engine.load_policy(spec, {n: to_float(a).numpy() for n, a in weights.items()})
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+        groups = engine.generate([GenerationRequest(p, group_size, k) for k, p in enumerate(prompt_ids)], params)
+        engine.close()
+        return groups
+
+    results = {}
+    for temperature in temperatures:
+        verifier = RolloutVerifier(
+            lambda: AutoModelForCausalLM.from_config(config), temperature, top_p, 1, 0.0, tolerance, draw_tolerance
+        )
+        verifier.remember(0, tensors, None)
+
+        def exact_logprobs(prompt: list[int], tokens: list[int], temperature: float = temperature) -> list[float]:
+            with torch.no_grad():
+                return replay_sampling(exact, [Rollout(prompt, tokens, [], 0.0)], temperature, top_p)[0][0].tolist()
+
+        def measure(groups: list[list], forge, verifier=verifier) -> list[tuple[float, float]]:
+            out = []
+            for k, (prompt, group) in enumerate(zip(prompt_ids[: len(groups)], groups, strict=True)):
+                r = np.random.default_rng(k)
+                rollouts = [Rollout(prompt, *forge(prompt, c, r), 0.0, 0.0, 0) for c in group]
+                out.append(verifier.measure(0, seed, k, rollouts))
+            return out
+
+        def changed_one(prompt, c, r):
+            tokens = list(c.tokens)
+            i = int(r.integers(len(tokens)))
+            tokens[i] = (tokens[i] + 1 + int(r.integers(spec.vocab_size - 1))) % spec.vocab_size
+            return tokens, exact_logprobs(prompt, tokens)
+
+        def unsampled(prompt, c, r):
+            tokens = [int(t) for t in r.integers(3, spec.vocab_size, len(c.tokens))]
+            return tokens, exact_logprobs(prompt, tokens)
+
+        honest_groups = sample(tensors, temperature, seed)
+        measure(honest_groups[:1], lambda p, c, r: (c.tokens, c.logprobs))  # warm-up: builds the verifier's model
+        tick = time.perf_counter()
+        honest = measure(honest_groups, lambda p, c, r: (c.tokens, c.logprobs))
+        check_s = (time.perf_counter() - tick) / len(honest_groups)
+        rows = {
+            "honest": honest,
+            "logprobs all 0": measure(honest_groups, lambda p, c, r: (c.tokens, [0.0] * len(c.tokens))),
+            "logprobs jittered 0.1 nats": measure(
+                honest_groups,
+                lambda p, c, r: (c.tokens, list(np.minimum(0, c.logprobs + r.normal(0, 0.1, len(c.tokens))))),
+            ),
+            "unsampled tokens, exact logprobs": measure(honest_groups, unsampled),
+            "another seed, exact logprobs": measure(
+                sample(tensors, temperature, seed + 1), lambda p, c, r: (c.tokens, exact_logprobs(p, c.tokens))
+            ),
+            "one token changed, exact logprobs": measure(honest_groups, changed_one),
+            "other policy (1% noise), same draws": measure(
+                sample(perturbed, temperature, seed), lambda p, c, r: (c.tokens, c.logprobs)
+            ),
+        }
+        results[str(temperature)] = {
+            "seconds_per_group_checked": round(check_s, 3),
+            "tokens_per_group": sum(len(c.tokens) for g in honest_groups for c in g) / len(honest_groups),
+            "rows": {
+                name: {
+                    "d_median": round(float(np.median([d for d, _ in v])), 5), "d_max": round(max(d for d, _ in v), 5),
+                    "m_median": round(float(np.median([m for _, m in v])), 5), "m_max": round(max(m for _, m in v), 5),
+                    "caught": sum(d > tolerance or m > draw_tolerance for d, m in v) / len(v),
+                }
+                for name, v in rows.items()
+            },
+        }  # fmt: skip
     result = {
         "model": model, "prompts": prompts, "group_size": group_size, "max_new_tokens": max_new_tokens,
-        "top_p": top_p, "wire_dtype": wire_dtype, "honest_tokens": tokens,
-        "seconds_per_group_checked": round(check_s, 3),
-        "divergence": {k: {"min": round(min(v), 5), "median": round(float(np.median(v)), 5), "max": round(max(v), 5)}
-                       for k, v in rows.items()},
+        "top_p": top_p, "wire_dtype": wire_dtype, "tolerance": tolerance, "draw_tolerance": draw_tolerance,
+        "temperatures": results,
     }  # fmt: skip
     if json_out:
         print(json.dumps(result))
         return result
-    table = Table(title=f"logprob divergence per group (nats/token), {model}, top_p {top_p}, {wire_dtype} weights")
-    for col in ("rollouts", "min", "median", "max"):
-        table.add_column(col, justify="left" if col == "rollouts" else "right")
-    for name, d in result["divergence"].items():
-        table.add_row(name, f"{d['min']:.5f}", f"{d['median']:.5f}", f"{d['max']:.5f}")
-    Console().print(table)
-    Console().print(
-        f"verifying one group of {group_size} took {check_s:.3f} s ({tokens / len(honest_groups):.0f} tokens)"
-    )
+    for temperature, r in results.items():
+        table = Table(
+            title=f"{model}, T {temperature}, top_p {top_p}: logprob divergence d (nats/token), draw miss m per group"
+        )
+        for col in ("rollouts", "d median", "d max", "m median", "m max", "caught"):
+            table.add_column(col, justify="left" if col == "rollouts" else "right")
+        for name, row in r["rows"].items():
+            table.add_row(name, f"{row['d_median']:.5f}", f"{row['d_max']:.5f}", f"{row['m_median']:.5f}",
+                          f"{row['m_max']:.5f}", f"{row['caught']:.0%}")  # fmt: skip
+        Console().print(table)
+        Console().print(
+            f"verifying one group of {group_size} took {r['seconds_per_group_checked']:.3f} s "
+            f"({r['tokens_per_group']:.0f} tokens); caught: d > {tolerance} or m > {draw_tolerance}"
+        )
     return result

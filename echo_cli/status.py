@@ -86,6 +86,8 @@ def verification_line(doc: dict) -> str:
     line = f"{v['groups_checked']} groups checked"
     if v["divergence_max"] is not None:
         line += f", divergence median {v['divergence_median']:.4f} max {v['divergence_max']:.4f} nats/token"
+    if v.get("draw_miss_max") is not None:
+        line += f", draw miss max {v['draw_miss_max']:.4f}"
     line += f" (tolerance {v['tolerance']}), {len(v['flagged'])} workers flagged"
     banned = doc.get("banned", [])
     return line + (f", {len(banned)} peers banned" if banned else "")

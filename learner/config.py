@@ -185,7 +185,7 @@ class SwarmConfig:
     prefetch_batches: int = 1
     """async: batches of prompt groups leased or buffered ahead of training (1: the next is made during this step)."""
     verify_first: int = 4
-    """A worker is new until this many of its groups were verified; while new, each is checked at 50% (learner.verify)."""
+    """A worker is new until this many of its groups were verified; while new, each is checked at 50%."""
     verify_fraction: float = 0.05
     """After that, the share of groups verified, drawn from the OS's randomness (0 with verify_first = 0: no checks)."""
     verify_tolerance: float = 0.02

@@ -130,12 +130,6 @@ class LeaseTable:
                 self._requeue_locked(lease)
             return len(gone)
 
-    def requeue_lease(self, lease_id: int) -> None:
-        """Give a live lease's groups to others now (its worker's work was refused)."""
-        with self._lock:
-            if lease_id in self.live:
-                self._requeue_locked(self.live[lease_id])
-
     def outstanding_groups(self) -> int:
         with self._lock:
             return sum(len(lease.group_ids) for lease in self.live.values())

@@ -174,6 +174,7 @@ def batch_metrics(groups: list[list[Rollout]], stats: dict) -> dict:
         "grad_norm": stats["grad_norm"],
         "tokens": tokens,
         "trained_tokens": stats["trained_tokens"],
+        "skipped_updates": stats.get("skipped_updates", 0),  # non-finite loss or gradient: the update was dropped
         "completion_len_mean": tokens / len(rollouts),
         "groups": len(groups),
         "equal_reward_groups": sum(not has_signal(g) for g in groups),

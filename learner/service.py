@@ -40,6 +40,7 @@ from p2p.messages import (
     STATUS,
     Heartbeat,
     LeaseRequest,
+    MessageError,
     ModelSpec,
     RolloutSubmission,
 )
@@ -288,8 +289,13 @@ class LearnerService:
 
     def _on_rollout(self, peer: str, msg: dict) -> dict:
         grpo, vocab = self.cfg.grpo, self.spec.vocab_size
-        submission = RolloutSubmission.from_wire(msg, grpo.group_size, self.cfg.sampler.max_new_tokens, vocab)
         worker = self._worker(peer)
+        try:
+            submission = RolloutSubmission.from_wire(msg, grpo.group_size, self.cfg.sampler.max_new_tokens, vocab)
+        except MessageError:
+            worker.refused += 1
+            self._give_back(peer, msg.get("lease"))  # junk must not hold prompt groups until the lease times out
+            raise
         if peer in self.verifier.flagged:
             raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
         try:  # closing the lease first makes a replay, even a concurrent one, a duplicate before any work
@@ -298,23 +304,28 @@ class LearnerService:
             worker.refused += 1
             raise (Misbehaviour if exc.reason in ("duplicate", "not_owner") else BadRequest)(str(exc)) from None
         try:
-            self._check_against_lease(lease, submission)
-            verified = self._verify(peer, lease.lease_id, submission)
-        except BadRequest:
-            worker.refused += 1
-            self.leases.release(lease)  # its prompts go to other workers
+            return self._take(peer, worker, lease, submission)
+        except BaseException as exc:  # refused, or our own failure (a full disk): its prompts go out again
+            if isinstance(exc, BadRequest):
+                worker.refused += 1
+            self.leases.release(lease)
             raise
+
+    def _take(self, peer: str, worker: WorkerRecord, lease: Lease, submission: RolloutSubmission) -> dict:
+        """Check, verify, score, journal and buffer a submission whose lease is closed."""
+        self._check_against_lease(lease, submission)
+        verified = self._verify(peer, lease.lease_id, submission)
         completions = [g.completions for g in submission.groups]
         version = submission.version
         problems = [self.problem(g) for g in lease.group_ids]
-        with self._lock:  # a group is scored once: its prompt need not be remembered (nor rebuilt) any more
-            for g in lease.group_ids:
-                self._problems.pop(g, None)
         scored = score_groups(
             self.task, self.policy, [p for p, _ in problems], [ids for _, ids in problems], completions, version
         )
         groups = [ScoredGroup(g, version, peer, rollouts) for g, rollouts in zip(lease.group_ids, scored, strict=True)]
         self.journal.accept(groups)  # on disk before the worker hears "accepted" (learner.journal)
+        with self._lock:  # a group is scored once: its prompt need not be remembered (nor rebuilt) any more
+            for g in lease.group_ids:
+                self._problems.pop(g, None)
         for group in groups:
             self.buffer.add(group)
         self.verifier.accepted(peer, verified)  # only accepted work counts as verified
@@ -329,6 +340,15 @@ class LearnerService:
             worker.tokens_accepted += tokens
             self.tokens_accepted += tokens  # all workers: the mean rollout length turns tokens/s into rollouts/s
         return {"accepted": len(scored)}
+
+    def _give_back(self, peer: str, lease_id: object) -> None:
+        """Release the live lease `lease_id` of `peer`, if it is one, so that its groups go to others now."""
+        lease = self.leases.get(lease_id) if isinstance(lease_id, int) else None
+        if lease is not None and lease.worker == peer:
+            try:
+                self.leases.release(self.leases.complete(lease.lease_id, peer))
+            except LeaseError:  # closed meanwhile (expired, or a concurrent submission)
+                pass
 
     def _check_against_lease(self, lease: Lease, submission: RolloutSubmission) -> None:
         """What the wire schema cannot know: the lease's groups in order, a version it may use."""
@@ -350,6 +370,7 @@ class LearnerService:
             if self.verifier.check(peer, submission.version, lease_id, group.group, rollouts) is not None:
                 checked += 1
             if peer in self.verifier.flagged:
+                self.leases.requeue_worker(peer)  # none of its leases will be accepted any more
                 dropped = self.buffer.drop_worker(peer)
                 self.journal.drop([g.group_id for g in dropped])
                 log.warning(
@@ -397,7 +418,8 @@ class LearnerService:
                     "last_seen_s": round(now - w.last_seen, 1),
                 }
             )
-        divergences = sorted(self.verifier.divergences)
+        divergences, misses = self.verifier.recent()
+        divergences.sort()
         return {
             "schema": 1,
             "run_id": self.run_id,
@@ -420,7 +442,9 @@ class LearnerService:
                 "groups_checked": len(divergences),
                 "divergence_median": divergences[len(divergences) // 2] if divergences else None,
                 "divergence_max": divergences[-1] if divergences else None,
+                "draw_miss_max": max(misses, default=None),
                 "tolerance": swarm.verify_tolerance,
+                "draw_tolerance": swarm.verify_draw_tolerance,
                 "flagged": dict(self.verifier.flagged),
                 "groups_dropped": self.buffer.dropped_flagged,
             },

@@ -185,6 +185,7 @@ class Simulation:
         heapq.heappush(self.events, (t, self._seq, kind, args))
 
     def run(self, steps: int) -> SimResult:
+        self.steps = steps
         self.out.append((self.p.encode_s, 0))  # the initial weights, a full snapshot
         self.at(self.p.encode_s, "published")
         for w in self.workers.values():
@@ -201,7 +202,7 @@ class Simulation:
     # -- learner --------------------------------------------------------------------------------------
 
     def _try_train(self) -> None:
-        if self.training:
+        if self.training or self.step >= self.steps:  # after the last step no batch is taken (nor counted)
             return
         fresh = [g for g in self.buffer if self.version - g[0] <= self.p.staleness]
         self.stale_dropped += len(self.buffer) - len(fresh)

@@ -174,10 +174,9 @@ class RolloutVerifier:
             new = self.checked.get(worker, 0) < self.first
             return self._rng.random() < (self.new_fraction if new else self.fraction)
 
-    def check(self, worker: str, version: int, seed: int, group_id: int, group: list[Rollout]) -> float | None:
+    def measure(self, version: int, seed: int, group_id: int, group: list[Rollout]) -> tuple[float, float] | None:
         """Replay a group's sampling (its lease's `seed`, its id, its completions in order) under version
-        `version`: returns its logprob divergence d, or None if that version is no longer kept. Flags the
-        worker when d > tolerance or a token's draw misses its interval by more than draw_tolerance."""
+        `version`: (logprob divergence d, draw miss m), or None if that version is no longer kept."""
         with self._lock:
             if version not in self.versions:
                 return None
@@ -186,8 +185,16 @@ class RolloutVerifier:
                 recomputed, misses = replay_sampling(
                     self._model, group, self.temperature, self.top_p, group_draws(seed, group_id, group)
                 )
-            d = divergence([lp for r in group for lp in r.behaviour_logprobs], recomputed)
-            m = draw_miss(misses)
+        return divergence([lp for r in group for lp in r.behaviour_logprobs], recomputed), draw_miss(misses)
+
+    def check(self, worker: str, version: int, seed: int, group_id: int, group: list[Rollout]) -> float | None:
+        """measure() a group of `worker` and flag the worker when d > tolerance or a token's draw misses its
+        interval by more than draw_tolerance. Returns d, or None if the version is no longer kept."""
+        measured = self.measure(version, seed, group_id, group)
+        if measured is None:
+            return None
+        d, m = measured
+        with self._lock:
             self.divergences.append(d)
             self.draw_misses.append(m)
             if d > self.tolerance:
@@ -199,7 +206,12 @@ class RolloutVerifier:
                     f"tokens were not sampled from the lease's draws under v{version}: a draw misses its "
                     f"token's interval by {m:.4f} (tolerance {self.draw_tolerance})"
                 )
-            return d
+        return d
+
+    def recent(self) -> tuple[list[float], list[float]]:
+        """The divergences and draw misses of the newest checked groups (a copy: handlers add to them)."""
+        with self._lock:
+            return list(self.divergences), list(self.draw_misses)
 
     def accepted(self, worker: str, verified_groups: int) -> None:
         """Count groups verified in a submission that was then accepted (only those are verified work)."""

@@ -1,12 +1,14 @@
-"""Predict a measured swarm run with the simulator, from that run's own figures, and compare utilisation.
+"""Predict a measured swarm run with the simulator and compare utilisation and staleness.
 
-    .venv/bin/python scripts/validate_sim.py runs/m3-s0/async
+    .venv/bin/python scripts/validate_sim.py runs/b --fit runs/a     # out of sample: fitted on a, checked on b
 
-Reads RUN_DIR/config.json and metrics.jsonl: T_train (mean and spread of seconds.train), the bytes of
-each version, the broadcast time (bcast_s: publication until a worker held and loaded the version),
-and per worker its generation rate (the scheduler's estimate, or tokens/s over mean completion
-length). Simulates the same learner and workers for the same number of steps and prints measured and
-predicted learner utilisation side by side.
+The simulator's parameters are fitted on the run given by --fit (default: the checked run itself, which
+is in sample and flattering): from its RUN_DIR/config.json and metrics.jsonl, T_train (mean and spread of
+seconds.train), the bytes of each version, the broadcast time (bcast_s: publication until a worker held
+and loaded the version), and per worker its generation rate (the scheduler's estimate, or tokens/s
+over mean completion length). The learner's own settings (batch, staleness, kappa) come from the
+checked run. The simulation runs as many steps as the checked run and prints measured and predicted
+learner utilisation and staleness side by side.
 """
 
 import argparse
@@ -20,13 +22,16 @@ from learner.simulator import LearnerProfile, WorkerClass, simulate
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("run_dir", type=Path, help="the run whose utilisation and staleness are predicted")
+    parser.add_argument("--fit", type=Path, help="the run the parameters are measured on (default: run_dir)")
     parser.add_argument("--encode-s", type=float, default=1.0, help="seconds to encode a version (codec bench)")
     parser.add_argument("--seeds", type=int, default=5)
     args = parser.parse_args()
     cfg = json.loads((args.run_dir / "config.json").read_text())
-    rows = load_metrics(args.run_dir)
-    measured = summarize(rows)
+    measured_rows = load_metrics(args.run_dir)
+    measured = summarize(measured_rows)
+    fit = args.fit or args.run_dir
+    rows = load_metrics(fit)
     trained = [r["seconds"]["train"] for r in rows if r["trained_tokens"] > 0]
     t_train = statistics.mean(trained)
     spread = min(0.9, statistics.pstdev(trained) / t_train * 3**0.5)  # a uniform with the same spread
@@ -56,10 +61,10 @@ def main() -> None:
         encode_s=args.encode_s,
         uplink_mbps=1e5,  # loopback: the transfer is part of the measured broadcast time
     )
-    runs = [simulate(learner, classes, len(classes), len(rows), seed) for seed in range(args.seeds)]
+    runs = [simulate(learner, classes, len(classes), len(measured_rows), seed) for seed in range(args.seeds)]
     predicted = statistics.mean(r.utilisation for r in runs)
     print(json.dumps({
-        "run": str(args.run_dir),
+        "run": str(args.run_dir), "fitted_on": str(fit), "in_sample": fit.resolve() == args.run_dir.resolve(),
         "t_train_s": round(t_train, 2), "bcast_s": round(statistics.mean(bcast), 2),
         "workers_rollouts_per_s": [round(c.rollouts_per_s, 2) for c in classes],
         "measured_utilisation": measured["utilisation"],

@@ -32,3 +32,17 @@ def swarm(tmp_path):
     s = Swarm(tmp_path)
     yield s
     s.close()
+
+
+
+def weights_moved(run_dir: Path) -> bool:
+    """Whether the newest checkpoint of a tiny-model run differs from the initial tiny weights (seed 0)."""
+    import torch
+
+    from learner.checkpoint import list_checkpoints, load_weights
+    from learner.models import tiny_policy
+
+    initial, trained = tiny_policy(seed=0).model, tiny_policy(seed=0).model
+    load_weights(list_checkpoints(run_dir)[-1], trained)
+    pairs = zip(initial.state_dict().values(), trained.state_dict().values(), strict=True)
+    return any(not torch.equal(a, b) for a, b in pairs)

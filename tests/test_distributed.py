@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, weights_moved
 from tests.test_report import check_pngs
 
 PLOTS = ["reward.png", "utilisation.png", "staleness.png", "version_lag.png", "broadcast.png"]
@@ -27,8 +27,13 @@ def check_accounting(metrics: list[dict], staleness: int) -> None:
 
 
 @pytest.mark.parametrize("mode, staleness, wire", [("async", 1, "bf16"), ("pull", 0, "f16")])
-def test_learner_and_two_workers_train(swarm, mode, staleness, wire):
-    learner = swarm.learner("--steps", "8", "--sync-mode", mode, "--staleness", str(staleness), "--wire-dtype", wire)
+def test_learner_and_two_workers_train(swarm, mode, staleness, wire, tmp_path):
+    data = tmp_path / "prompts.jsonl"  # a reward half of a random model's samples earn: groups carry signal
+    data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": 0}) + "\n" for i in range(8)))
+    task = ["--task", f"jsonl:{data}", "--task-args", "reward=tests.rewards:starts_ascii"]
+    learner = swarm.learner(
+        "--steps", "8", "--sync-mode", mode, "--staleness", str(staleness), "--wire-dtype", wire, *task
+    )  # fmt: skip
     workers = [swarm.worker("w1"), swarm.worker("w2")]
     assert swarm.wait(learner, 240) == 0, swarm.log("learner")[-3000:]
     for w in workers:  # SIGTERM: a worker leaves cleanly
@@ -41,6 +46,8 @@ def test_learner_and_two_workers_train(swarm, mode, staleness, wire):
     assert len(metrics[-1]["workers"]) == 2
     assert sum(w["groups"] for w in metrics[-1]["workers"].values()) >= 16
     assert (swarm.run_dir / "checkpoints" / "step-000008").exists()
+    assert sum(m["trained_tokens"] > 0 for m in metrics) >= 4 and weights_moved(swarm.run_dir)  # it trained
+    assert all(m["skipped_updates"] == 0 for m in metrics)
     res = run_cli("report", str(swarm.run_dir), "--json")  # every plot of a swarm run, from real metrics
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["skipped"] == []
@@ -104,6 +111,15 @@ def test_status_reports_the_live_run(swarm):
     assert peer["active"] is True and isinstance(peer["activity"], str)  # the only worker is never switched off
     res = run_cli("status", "--run-dir", str(swarm.run_dir))  # the tables
     assert res.returncode == 0 and peer["peer_id"][-8:] in res.stdout and "active" in res.stdout
+
+
+def test_a_worker_whose_max_batch_is_below_the_group_size_stops_with_one_line(swarm):
+    learner = swarm.learner("--steps", "1")  # group size 4
+    worker = swarm.worker("small", "--max-batch", "2")
+    assert worker.wait(120) == 2
+    lines = [ln for ln in swarm.log("small").splitlines() if "max_batch" in ln]
+    assert lines and "--max-batch 4" in lines[-1], swarm.log("small")[-2000:]
+    assert learner.poll() is None  # the learner is not disturbed
 
 
 def test_status_of_a_dead_learner_fails_within_its_timeout(tmp_path):

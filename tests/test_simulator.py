@@ -31,6 +31,12 @@ def test_bounded_staleness_and_accounting():
     assert r.cost_per_step == pytest.approx(r.cost / r.steps, rel=0.02)  # both rounded
 
 
+def test_fast_workers_do_not_make_the_histogram_count_a_batch_never_trained():
+    fast = [WorkerClass(name="fast", share=1.0, rollouts_per_s=50, price_per_hour=0.1)]  # 88 counted before the fix
+    r = simulate(LearnerProfile(prompts_per_step=8, train_step_s=1.0), fast, 4, 10, seed=0)
+    assert r.steps == 10 and sum(r.staleness.values()) == 10 * 8
+
+
 def test_cost_aware_activation_is_cheaper_than_all_active_on_an_oversupplied_swarm():
     learner = LearnerProfile(prompts_per_step=8, margin=0.3)
     auto = simulate(learner, MIX, 40, 80, seed=1)
@@ -41,8 +47,12 @@ def test_cost_aware_activation_is_cheaper_than_all_active_on_an_oversupplied_swa
 
 
 def test_a_thousand_workers_for_two_hundred_steps():
-    r = simulate(LearnerProfile(prompts_per_step=64, group_size=8, groups_per_lease=2), MIX, 1000, 200, seed=0)
-    assert r.steps == 200 and r.workers == 1000
+    learner = LearnerProfile(prompts_per_step=64, group_size=8, groups_per_lease=2)
+    r = simulate(learner, MIX, 1000, 200, seed=0)
+    assert r.steps == 200 and sum(r.staleness.values()) == 200 * 64
+    assert set(r.staleness) <= {str(s) for s in range(learner.staleness + 1)}
+    # a swarm far larger than the learner needs: the autoscaler activates a small, cheap subset
+    assert 0 < r.utilisation <= 1 and r.active_workers_mean < 0.5 * r.workers and r.preemptions > 0
 
 
 def test_simulate_command(tmp_path):

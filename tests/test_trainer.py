@@ -76,11 +76,95 @@ def test_checkpoint_round_trip(tmp_path):
     assert all(torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) for k in sa)
 
 
-@pytest.mark.parametrize("norm", ["token", "sequence"])
-def test_loss_normalisation_modes_run(norm):
+def test_sequence_normalisation_weighs_every_completion_equally():
+    """token: a long completion weighs by its tokens; sequence: every completion weighs the same. Checked on
+    the loss of two completions of different lengths with advantages +1 / -1 and ratio 1 (loss = -sum w A)."""
     policy = tiny_policy(0)
-    stats = GRPOTrainer(policy.model, GRPOConfig(loss_norm=norm), 1.0).step(make_rollouts(policy))
-    assert stats["trained_tokens"] > 0
+    short, long = make_rollouts(policy, n=6)[0], make_rollouts(policy, n=6)[5]  # 5 and 10 tokens
+    batch = [Rollout(short.prompt_ids, short.completion_ids, short.behaviour_logprobs, 1.0, 1.0),
+             Rollout(long.prompt_ids, long.completion_ids, long.behaviour_logprobs, 0.0, -1.0)]  # fmt: skip
+    losses = {}
+    for norm in ("token", "sequence"):
+        trainer = GRPOTrainer(copy.deepcopy(policy).model, GRPOConfig(loss_norm=norm, lr=1e-9), 1.0)
+        losses[norm] = trainer.step(batch)["loss"]
+    assert losses["token"] == pytest.approx(-(5 * 1.0 + 10 * -1.0) / 15, abs=1e-4)  # 1/3: the long one dominates
+    assert losses["sequence"] == pytest.approx(0.0, abs=1e-4)  # one completion each way: they cancel
+
+
+def test_skipping_equal_groups_does_not_rescale_the_gradient():
+    base = tiny_policy(0)
+    rollouts = make_rollouts(base)
+    equal = [Rollout(r.prompt_ids, r.completion_ids, r.behaviour_logprobs, 0.5, 0.0) for r in make_rollouts(base, 4)]
+    grads = []
+    for skip in (True, False):
+        policy = copy.deepcopy(base)
+        trainer = GRPOTrainer(policy.model, GRPOConfig(skip_equal_groups=skip, max_grad_norm=1e9), 1.0)
+        trainer.optimizer.step = lambda: None  # keep the gradient for inspection
+        trainer.optimizer.zero_grad = lambda set_to_none=True: None
+        trainer.step(rollouts + equal)
+        grads.append(torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-7, rtol=1e-4)
+
+
+def test_a_non_finite_update_never_reaches_the_weights():
+    policy = tiny_policy(0)
+    rollouts = make_rollouts(policy)
+    before = [p.detach().clone() for p in policy.model.parameters()]
+    trainer = GRPOTrainer(policy.model, GRPOConfig(lr=1e-2), 1.0)
+    poisoned = [Rollout(r.prompt_ids, r.completion_ids, r.behaviour_logprobs, r.reward, float("nan")) for r in rollouts]
+    stats = trainer.step(poisoned)
+    assert stats["skipped_updates"] == 1 and stats["trained_tokens"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.model.parameters(), strict=True))
+    # extreme (but finite) behaviour logprobs: the clamped ratio keeps the update finite
+    extreme = [Rollout(r.prompt_ids, r.completion_ids, [-1000.0] * len(r.completion_ids), r.reward, r.advantage)
+               for r in rollouts]  # fmt: skip
+    stats = trainer.step(extreme)
+    assert stats["skipped_updates"] == 0 and all(torch.isfinite(p).all() for p in policy.model.parameters())
+
+
+def test_minibatches_take_several_updates_and_the_decoupled_clip_binds():
+    policy = tiny_policy(0)
+    rollouts = make_rollouts(policy, n=8)
+    trainer = GRPOTrainer(policy.model, GRPOConfig(lr=5e-2, objective="decoupled", minibatches=4), 1.0)
+    steps = []
+    trainer.optimizer.step = (lambda real: lambda: (steps.append(1), real())[1])(trainer.optimizer.step)
+    stats = trainer.step(rollouts + make_rollouts(policy, n=8))
+    assert len(steps) == 4 and stats["skipped_updates"] == 0
+    assert stats["clip_frac"] > 0  # later minibatches moved past the trust region of pi_prox
+
+
+def test_trainer_and_verifier_score_top_p_alike():
+    """With top_p < 1 the trainer scores under the sampler's nucleus: on-policy ratios are 1."""
+    from learner.verify import replay_sampling
+
+    policy = tiny_policy(0)
+    model = policy.model.float().eval()
+    batch = make_rollouts(policy, n=3)
+    with torch.no_grad():
+        trainer_lp = completion_logprobs(model, batch, 0.9, top_p=0.7).double()  # [N]
+        verifier_lp, _ = replay_sampling(model, batch, 0.9, 0.7)  # [2, N]
+        full = completion_logprobs(model, batch, 0.9).double()
+    inside = torch.isfinite(verifier_lp[0])
+    assert inside.any() and torch.allclose(trainer_lp[inside], verifier_lp[0][inside], atol=1e-5)
+    assert (trainer_lp[inside] > full[inside]).all()  # renormalised over the nucleus, unlike the full softmax
+
+
+def test_resume_with_beta_keeps_the_initial_policy_as_kl_anchor(tmp_path):
+    from learner.config import LearnerConfig
+    from learner.run import open_run
+
+    cfg = LearnerConfig()
+    cfg.model.model, cfg.run.run_dir, cfg.grpo.beta, cfg.grpo.lr = "tiny", str(tmp_path), 0.1, 1e-2
+    cfg.run.checkpoint_every = 1
+    run = open_run(cfg, resume=False)
+    initial = {k: v.clone() for k, v in run.policy.model.state_dict().items()}
+    run.trainer.step(make_rollouts(run.policy))
+    run.record(1, {"step": 1, "wall_s": 0.0})
+    resumed = open_run(cfg, resume=True)
+    assert resumed.start_step == 1
+    ref = resumed.trainer.reference.state_dict()
+    assert all(torch.equal(ref[k], v) for k, v in initial.items())  # not the checkpoint's weights
+    assert not all(torch.equal(resumed.policy.model.state_dict()[k], v) for k, v in initial.items())
 
 
 def test_kl_reference_is_kept_only_with_beta():

@@ -15,15 +15,20 @@ def hostile_host(key: Ed25519PrivateKey | None = None) -> Host:
     return Host(key or Ed25519PrivateKey.new()).start()
 
 
-def send_raw(host: Host, peer: str, protocol: str, data: bytes, timeout: float = 10.0) -> str:
-    """Write `data` on a fresh stream and read until the other side answers, closes or resets.
-    Returns "reset" (the stream was reset or closed without a reply) or "reply" (bytes came back)."""
+def send_raw(host: Host, peer: str, protocol: str, data: bytes, timeout: float = 10.0, close: bool = False) -> str:
+    """Write `data` on a fresh stream (and close our side if `close`) and read until the other side answers,
+    closes or resets. Returns "reset" (the stream was reset or closed without a reply) or "reply"."""
 
     async def go() -> str:
         with trio.fail_after(timeout):
-            stream = await host._host.new_stream(ID.from_base58(peer), [TProtocol(protocol)])
+            try:
+                stream = await host._host.new_stream(ID.from_base58(peer), [TProtocol(protocol)])
+            except Exception:  # noqa: BLE001 - refused before a stream opened (e.g. we are banned)
+                return "reset"
             try:
                 await stream.write(data)
+                if close:
+                    await stream.close()
                 got = await stream.read(5)
                 return "reply" if got else "reset"
             except Exception:  # noqa: BLE001 - a reset shows up as an exception on read
