@@ -210,8 +210,7 @@ class LearnerService:
 
     def _on_heartbeat(self, peer: str, msg: dict) -> dict:
         beat = Heartbeat.from_wire(msg)  # bounded types and ranges (MessageError: a penalty)
-        if beat.version > self.newest_published:
-            raise Misbehaviour(f"version {beat.version} was never published (newest is {self.newest_published})")
+        self._check_published(beat.version)
         worker = self._worker(peer)
         with self._lock:
             if beat.version > worker.version and beat.version in self.published_at:
@@ -224,6 +223,15 @@ class LearnerService:
             self.scheduler.seen(peer, worker.last_seen, worker.price)
         self._declare_rate(peer, worker.tokens_per_s)
         return {"newest": self.newest_published}
+
+    def _check_published(self, version: int) -> None:
+        """A version a worker states must have been published before it is stored (status shows it).
+        The next publication is refused without a penalty: its manifest can be fetched a moment before
+        newest_published is set. Anything beyond that no honest worker can hold."""
+        newest = self.newest_published
+        if version > newest:
+            kind = Misbehaviour if version > newest + self.cfg.swarm.publish_every else BadRequest
+            raise kind(f"version {version} was never published (newest is {newest})")
 
     def _declare_rate(self, peer: str, tokens_per_s: float) -> None:
         """Turn a worker's own tokens/s into a declared rollouts/s: the scheduler plans on it until measured."""
@@ -241,8 +249,9 @@ class LearnerService:
         held, max_groups = request.version, request.max_groups
         if peer in self.verifier.flagged:
             raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
-        if held > self.newest_published or held < 0:  # checked before it is stored: status shows it
-            raise Misbehaviour(f"version {held} was never published (newest is {self.newest_published})")
+        self._check_published(held)
+        if held < 0:
+            raise BadRequest("a lease needs a policy version: fetch one first")
         worker = self._worker(peer)
         with self._lock:
             worker.version = max(worker.version, held)

@@ -418,16 +418,19 @@ class Host:
                     return
                 if guarded and self.gate is not None and not self.gate(peer):
                     self.guard.penalise(peer, "unauthorized")
-                    reply = {"error": f"{protocol}: not authorized", "unauthorized": True}
-                else:
+                    await self._write(
+                        stream, encode_frame({"error": f"{protocol}: not authorized", "unauthorized": True})
+                    )
+                    await stream.close()
+                    return
+                if slots is not None:
+                    await slots.acquire()
+                try:  # the slot is held while the reply is sent: that is what it bounds
+                    reply = await trio.to_thread.run_sync(self._answer, protocol, handler, peer, message)
+                    await self._write(stream, encode_frame(reply))
+                finally:
                     if slots is not None:
-                        await slots.acquire()
-                    try:
-                        reply = await trio.to_thread.run_sync(self._answer, protocol, handler, peer, message)
-                    finally:
-                        if slots is not None:
-                            slots.release()
-                await self._write(stream, encode_frame(reply))
+                        slots.release()
                 await stream.close()
             except Exception as exc:  # noqa: BLE001 - the reply could not be sent (the peer left): no offence
                 log.debug("%s to %s: reply not sent: %s: %s", protocol, peer[-8:], type(exc).__name__, exc)

@@ -34,7 +34,6 @@ def swarm(tmp_path):
     s.close()
 
 
-
 def weights_moved(run_dir: Path) -> bool:
     """Whether the newest checkpoint of a tiny-model run differs from the initial tiny weights (seed 0)."""
     import torch
