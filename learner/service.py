@@ -297,6 +297,7 @@ class LearnerService:
         }
 
     def _on_rollout(self, peer: str, msg: dict) -> dict:
+        arrived = time.monotonic()  # the worker's lease time ends here, not after our own checks
         grpo, vocab = self.cfg.grpo, self.spec.vocab_size
         worker = self._worker(peer)
         try:
@@ -313,14 +314,16 @@ class LearnerService:
             worker.refused += 1
             raise (Misbehaviour if exc.reason in ("duplicate", "not_owner") else BadRequest)(str(exc)) from None
         try:
-            return self._take(peer, worker, lease, submission)
+            return self._take(peer, worker, lease, submission, arrived)
         except BaseException as exc:  # refused, or our own failure (a full disk): its prompts go out again
             if isinstance(exc, BadRequest):
                 worker.refused += 1
             self.leases.release(lease)
             raise
 
-    def _take(self, peer: str, worker: WorkerRecord, lease: Lease, submission: RolloutSubmission) -> dict:
+    def _take(
+        self, peer: str, worker: WorkerRecord, lease: Lease, submission: RolloutSubmission, arrived: float
+    ) -> dict:
         """Check, verify, score, journal and buffer a submission whose lease is closed."""
         self._check_against_lease(lease, submission)
         verified = self._verify(peer, lease.lease_id, submission)
@@ -338,9 +341,8 @@ class LearnerService:
         for group in groups:
             self.buffer.add(group)
         self.verifier.accepted(peer, verified)  # only accepted work counts as verified
-        now = time.monotonic()
-        with self._sched_lock:
-            self.scheduler.lease_done(peer, now, now - lease.issued_at, sum(len(g) for g in scored))
+        with self._sched_lock:  # verification (a second or two per checked group) is not the worker's time
+            self.scheduler.lease_done(peer, arrived, arrived - lease.issued_at, sum(len(g) for g in scored))
             for _ in scored:
                 self.scheduler.group_arrived(peer, fresh=self.version - version <= self.buffer.staleness)
         tokens = sum(len(r.completion_ids) for g in scored for r in g)
