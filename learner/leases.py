@@ -59,6 +59,7 @@ class LeaseTable:
         self.live: dict[int, Lease] = {}
         self.closed: dict[int, str] = {}  # lease id -> "completed" | "expired" | "refused"
         self.counters = LeaseCounters()
+        self.expirations: deque[tuple[str, float]] = deque(maxlen=CLOSED_KEPT)  # (worker, seconds held), to drain
         self._lock = threading.Lock()
 
     def issue(self, worker: str, n_groups: int, min_version: int, timeout_s: float | None = None) -> Lease:
@@ -114,6 +115,14 @@ class LeaseTable:
         with self._lock:
             self._expire_locked()
 
+    def drain_expirations(self) -> list[tuple[str, float]]:
+        """Leases that expired since the last call: (worker, seconds it held the lease)."""
+        with self._lock:
+            self._expire_locked()
+            out = list(self.expirations)
+            self.expirations.clear()
+            return out
+
     def open_leases(self) -> dict[str, int]:
         """Live leases per worker."""
         with self._lock:
@@ -143,6 +152,7 @@ class LeaseTable:
     def _expire_locked(self) -> None:
         now = time.monotonic()
         for lease in [lease for lease in self.live.values() if lease.deadline < now]:
+            self.expirations.append((lease.worker, now - lease.issued_at))
             self._requeue_locked(lease)
 
     def _requeue_locked(self, lease: Lease) -> None:

@@ -88,6 +88,7 @@ class WorkerState:
     reason: str = "joined: on probation until measured (or planned on its declared rate)"
     declared: tuple[float, float] | None = None  # (rollouts/s, lease seconds) the worker declared
     recent_fresh: list[bool] = field(default_factory=list)  # arrived within the bound, newest last
+    overdue: list[float] = field(default_factory=list)  # seconds of expired leases, counted once it shows up alive
 
 
 @dataclass
@@ -138,6 +139,10 @@ class Scheduler:
         state.last_seen = now
         if price is not None:
             state.price = price
+        for seconds in state.overdue:  # alive after its leases expired: they delivered nothing in that time
+            state.lease_s.add(seconds)
+            state.rollouts_per_s.add(0.0)
+        state.overdue.clear()
         return state
 
     def declare(self, worker: str, rollouts_per_s: float, lease_s: float) -> None:
@@ -150,6 +155,16 @@ class Scheduler:
         state = self.seen(worker, now)
         state.lease_s.add(seconds)
         state.rollouts_per_s.add(rollouts / max(seconds, 1e-6))
+
+    def lease_expired(self, worker: str, seconds: float) -> None:
+        """A lease the worker did not return in time (`seconds` after it was issued). If the worker is seen
+        alive afterwards, the lease counts as a measurement: that long, nothing delivered. Without it a
+        worker that declares a huge rate and never returns a lease would be planned on its declaration for
+        ever, and could switch honest workers off. A worker that went silent (preempted, killed) is not
+        marked down for it: it is dropped as silent instead."""
+        state = self.workers.get(worker)
+        if state is not None:
+            state.overdue.append(seconds)
 
     def group_arrived(self, worker: str, fresh: bool) -> None:
         """Whether a group this worker delivered could still be trained on (within S) when it arrived."""

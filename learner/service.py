@@ -186,6 +186,8 @@ class LearnerService:
             self.scheduler.step_done(step, train_s, step_s, trained)
             for seconds in new_bcast:
                 self.scheduler.broadcast_done(seconds)
+            for peer, seconds in self.leases.drain_expirations():  # nothing delivered: measured as such
+                self.scheduler.lease_expired(peer, seconds)
             for peer in self.scheduler.drop_silent(now):
                 requeued = self.leases.requeue_worker(peer)
                 log.info("worker %s went silent: %d of its leases go to others", peer[-8:], requeued)

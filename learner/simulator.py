@@ -327,6 +327,8 @@ class Simulation:
 
     def _on_deadline(self, lease_id: int) -> None:
         if lease_id in self.leases:
+            name, _, _, issued = self.leases[lease_id]
+            self.scheduler.lease_expired(name, self.now - issued)  # as the learner does
             self._expire(lease_id)
 
     def _expire(self, lease_id: int) -> None:

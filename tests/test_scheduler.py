@@ -61,6 +61,29 @@ def test_expensive_worker_not_needed_is_deactivated_once_without_flapping():
     assert s.may_lease("cheap") and not s.may_lease("pricey")
 
 
+def test_a_worker_that_declares_a_huge_rate_and_returns_nothing_loses_its_place():
+    """A hostile worker declares 1e9 rollouts/s at no price: the cheapest cover is that worker alone, so the
+    honest one is switched off. Its leases expire; each is measured as nothing delivered in that time,
+    and it loses its place to the honest worker again."""
+    s = make()
+    s.seen("liar", 0.0, price=0.0)
+    s.declare("liar", 1e9, 0.001)
+    s.seen("honest", 0.0, price=0.5)
+    feed(s, "honest", 0.0, lease_s=1.0)  # 8 rollouts/s
+    first = steps(s, 1, 10)
+    assert ("honest", False) in [(d.worker, d.active) for d in first] and s.may_lease("liar")
+    for _ in range(3):  # its leases run to their deadline, delivering nothing
+        s.lease_expired("liar", 120.0)
+    s.seen("liar", 400.0)  # and it is still there, asking for more
+    steps(s, 11, 20)
+    assert s.may_lease("honest") and not s.may_lease("liar")
+    # a worker whose lease expired because it vanished is not marked down unless it shows up again
+    s.seen("gone", 0.0, price=0.1)
+    feed(s, "gone", 0.0, lease_s=1.0)
+    s.lease_expired("gone", 120.0)
+    assert s.workers["gone"].rollouts_per_s.value == 8.0
+
+
 def test_deactivated_worker_comes_back_when_supply_falls_short():
     s = make()
     for name, price in (("cheap", 0.05), ("pricey", 2.0)):

@@ -64,6 +64,13 @@ class Outcome:
     details: dict = field(default_factory=dict)
 
 
+def logprobs_set_to(value: float) -> Callable:
+    """A forgery: honest tokens, every logprob replaced by `value`."""
+    return lambda lease, groups: [
+        [Completion(c.tokens, [value] * len(c.tokens), c.finish_reason) for c in g] for g in groups
+    ]
+
+
 def frame(body: bytes, flags: int = 0) -> bytes:
     return HEADER.pack(len(body), flags) + body
 
@@ -224,9 +231,7 @@ class Adversary:
                 "rollout with a logprob of -1000",
                 "refused at intake (floor -50), penalty",
                 lambda: self._forged(
-                    lambda lease, groups: [
-                        [Completion(c.tokens, [-1000.0] * len(c.tokens), c.finish_reason) for c in g] for g in groups
-                    ],
+                    logprobs_set_to(-1000.0),
                     "floats in",
                 ),
             ),
@@ -234,10 +239,7 @@ class Adversary:
                 "rollout with a NaN logprob",
                 "refused at intake, penalty",
                 lambda: self._forged(
-                    lambda lease, groups: [
-                        [Completion(c.tokens, [float("nan")] * len(c.tokens), c.finish_reason) for c in g]
-                        for g in groups
-                    ],
+                    logprobs_set_to(float("nan")),
                     "floats in",
                 ),
             ),
@@ -247,7 +249,7 @@ class Adversary:
                 lambda: self._forged(
                     lambda lease, groups: [
                         [Completion([10**9] * len(c.tokens), c.logprobs, c.finish_reason) for c in g] for g in groups
-                    ],
+                    ],  # fmt: skip
                     "token ids",
                 ),
             ),
@@ -260,20 +262,12 @@ class Adversary:
             (
                 "honest tokens, forged logprobs (-0.01 each)",
                 "flagged when verified, its groups dropped",
-                lambda: self._until_flagged(
-                    lambda lease, groups: [
-                        [Completion(c.tokens, [-0.01] * len(c.tokens), c.finish_reason) for c in g] for g in groups
-                    ]
-                ),
+                lambda: self._until_flagged(logprobs_set_to(-0.01)),
             ),
             (
                 "honest tokens, logprobs at the floor (-49.9)",
                 "flagged when verified; an unverified one trains with a clamped ratio",
-                lambda: self._until_flagged(
-                    lambda lease, groups: [
-                        [Completion(c.tokens, [-49.9] * len(c.tokens), c.finish_reason) for c in g] for g in groups
-                    ]
-                ),
+                lambda: self._until_flagged(logprobs_set_to(-49.9)),
             ),
             (
                 "unsampled random text with exact logprobs",
