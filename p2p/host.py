@@ -330,7 +330,10 @@ class Host:
 
         async def dial() -> None:
             network = self._host.get_network()
-            if info.peer_id not in network.connections:
+            known = network.get_connections(info.peer_id)
+            if not [c for c in known if c is not None and not getattr(c, "is_closed", False)]:
+                if known:  # closed connections linger in py-libp2p's table, and while they do it dials no more
+                    await network.close_peer(info.peer_id)  # (a restarted learner: "no valid connections")
                 # py-libp2p refuses to redial a peer for 60 s after a failed dial; our callers retry with
                 # their own backoff (a worker waiting for a restarted learner), so lift that block
                 network.unblock_peer(info.peer_id)
