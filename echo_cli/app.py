@@ -58,9 +58,9 @@ def user_errors() -> tuple[type[Exception], ...]:
     """Exceptions whose message is a complete one-line explanation for the user."""
     errors: list[type[Exception]] = [ConfigError]
     try:
-        from learner.checkpoint import CheckpointError
-        from learner.models import ModelError
         from learner.tasks import TaskError
+        from learner.train.checkpoint import CheckpointError
+        from learner.train.models import ModelError
 
         errors += [ModelError, TaskError, CheckpointError]
     except ImportError:  # a worker-only install has no torch
@@ -86,14 +86,14 @@ def learner_start(
         if colocated and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError("--colocated runs in one process: start it without torchrun")
         if colocated:
-            from learner.colocated import train_colocated
+            from learner.colocated_loop import train_colocated
             from worker.engines import make_engine
 
             sampler = cfg.sampler
             engine = make_engine(sampler.engine, Path(cfg.run.run_dir) / "sampler", sampler.threads, sampler.max_batch)
             steps = train_colocated(cfg, engine, resume=resume)
         else:
-            from learner.distributed import train_distributed
+            from learner.swarm_loop import train_distributed
 
             steps = train_distributed(cfg, resume=resume)
         show_learner(steps, cfg.run.steps, console)
@@ -194,7 +194,7 @@ def plan_command(
 ) -> None:
     """Which workers to activate for a learner, the predicted utilisation and the cost (docs/capacity-model.md)."""
     from echo_cli.plan import show_plan
-    from learner.capacity import LearnerFigures
+    from learner.plan.capacity import LearnerFigures
 
     figures = LearnerFigures(rollouts_per_step, train_step_s, publish_every, staleness, bcast_s, margin)
     try:
@@ -217,7 +217,8 @@ def simulate_command(
     """Simulate a swarm with the learner's own scheduler: utilisation, cost, staleness, broadcast times."""
     import dataclasses
 
-    from learner.simulator import LearnerProfile, WorkerClass, load_profile, simulate
+    from echo_cli.plan import load_profile, show_simulation
+    from learner.plan.simulator import LearnerProfile, WorkerClass, simulate
 
     if workers < 1 or steps < 1:
         raise fail("--workers and --steps must be >= 1")
@@ -229,8 +230,7 @@ def simulate_command(
     if json_out:
         print(json.dumps(result))
         return
-    for key, value in result.items():
-        console.print(f"{key:>22}: {value}", highlight=False)
+    console.print(show_simulation(result, learner, classes))
 
 
 @bench_app.command("sampler")
@@ -307,7 +307,7 @@ def bench_broadcast(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Seconds until N peer processes hold a verified version, against star and the bound T_min."""
-    from p2p.bench import run_broadcast_bench
+    from echo_cli.bench_broadcast import run_broadcast_bench
 
     if mode not in ("swarm", "star"):
         raise fail(f"--mode must be swarm or star, got {mode!r}")

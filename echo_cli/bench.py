@@ -22,8 +22,8 @@ def run_sampler_bench(
 ) -> dict:  # fmt: skip
     import llama_cpp
 
-    from learner.models import export_tensors, load_policy, model_spec
     from learner.tasks import make_task
+    from learner.train.models import export_tensors, load_policy, model_spec
     from p2p.messages import GenerationRequest, SamplingParams
     from worker.engines.llamacpp import LlamaCppEngine
 
@@ -109,10 +109,10 @@ def run_codec_bench(model: str, lrs: list[float], steps: int, cache_dir: str, js
     of the full bf16 checkpoint, with encode and decode seconds.
     """
     from learner.config import GRPOConfig
-    from learner.models import export_tensors, load_policy, model_spec
-    from learner.rollouts import score_groups
+    from learner.orchestrate.rollouts import score_groups
     from learner.tasks import make_task
-    from learner.trainer import GRPOTrainer
+    from learner.train.models import export_tensors, load_policy, model_spec
+    from learner.train.trainer import GRPOTrainer
     from p2p.codec import bf16_bits
     from p2p.messages import GenerationRequest, SamplingParams
     from p2p.versions import build_version, rebuild_raw
@@ -185,7 +185,7 @@ def run_verify_bench(
     model: str, prompts: int, group_size: int, max_new_tokens: int, top_p: float, wire_dtype: str, threads: int,
     cache_dir: str, json_out: bool, temperatures: list[float], tolerance: float = 0.02, draw_tolerance: float = 0.02,
 ) -> dict:  # fmt: skip
-    """Calibrate rollout verification (learner.verify): per group, the logprob divergence d and the draw
+    """Calibrate rollout verification (learner.orchestrate.verify): per group, the logprob divergence d and the draw
     miss m of honest llama.cpp rollouts against forgeries, at each temperature.
 
     Honest: the llama.cpp engine samples from the published 16-bit weights (F16 GGUF, as a worker does)
@@ -201,11 +201,11 @@ def run_verify_bench(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from learner.models import load_policy, model_spec
-    from learner.publisher import wire_tensors
+    from learner.orchestrate.publisher import wire_tensors
+    from learner.orchestrate.rollouts import Rollout
+    from learner.orchestrate.verify import RolloutVerifier, merged_weights, replay_sampling, to_float
     from learner.tasks import make_task
-    from learner.trainer import Rollout
-    from learner.verify import RolloutVerifier, merged_weights, replay_sampling, to_float
+    from learner.train.models import load_policy, model_spec
     from p2p.messages import GenerationRequest, SamplingParams
     from worker.engines.llamacpp import LlamaCppEngine
 

@@ -90,6 +90,18 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     raise TypeError(f"unsupported config type {hint} for {key}")
 
 
+def table_values(cls: type, table: object, name: str, source: object) -> dict[str, Any]:
+    """The fields of dataclass `cls` given in TOML table `name` of `source`, type-checked: an unknown key
+    or a wrong type is a one-line error naming the key as `name.key`."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{name} in {source}: must be a table of key = value pairs")
+    hints = typing.get_type_hints(cls)
+    bad = sorted(set(table) - set(hints))
+    if bad:
+        raise ConfigError(f"unknown key {name}.{bad[0]} in {source}; allowed: {', '.join(hints)}")
+    return {k: _coerce(f"{name}.{k}", v, hints[k]) for k, v in table.items()}
+
+
 def load_config(root_cls: type, path: str | Path | None, overrides: dict[str, Any]) -> Any:
     """Defaults, then the TOML file, then CLI overrides ({field name: value}); validated."""
     data: dict[str, Any] = {}
@@ -102,13 +114,7 @@ def load_config(root_cls: type, path: str | Path | None, overrides: dict[str, An
     built = {}
     for name, cls in tables.items():
         hints = typing.get_type_hints(cls)
-        table = data.get(name, {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"{name}: must be a table [{name}]")
-        bad = sorted(set(table) - set(hints))
-        if bad:
-            raise ConfigError(f"unknown key {name}.{bad[0]} in {path}; allowed: {', '.join(hints)}")
-        values = {k: _coerce(f"{name}.{k}", v, hints[k]) for k, v in table.items()}
+        values = table_values(cls, data.get(name, {}), name, path)
         for key, value in overrides.items():
             if key in hints and value is not None:
                 values[key] = _coerce(f"{name}.{key} (--{key.replace('_', '-')})", value, hints[key])

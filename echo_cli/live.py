@@ -45,8 +45,8 @@ def learner_table(m: dict, rewards: deque[float]) -> Table:
         state = "" if w.get("active", True) else "[yellow]inactive[/]  "
         table.add_row(
             f"  {peer}",
-            f"{state}v{w['version']} (lag {w['version_lag']})  {w['tokens_per_s']:.0f} tok/s  {w['groups']} groups"
-            f"  seen {w['seen_s_ago']:.0f}s ago",
+            f"{state}v{w['version']} (lag {w['version_lag']})  {w['tokens_per_s']:.0f} tok/s"
+            f"  {w['groups_accepted']} groups  seen {w['last_seen_s']:.0f}s ago",
         )
     for d in m.get("decisions", []):
         table.add_row("decision", f"{'activate' if d['active'] else 'deactivate'} {d['worker']}: {d['reason']}")

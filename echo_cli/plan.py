@@ -1,4 +1,4 @@
-"""`echo-rl plan`: evaluate the capacity model for a list of workers (learner/capacity.py)."""
+"""`echo-rl plan`: evaluate the capacity model for a list of workers (learner/plan/capacity.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from learner.capacity import LearnerFigures, Plan, WorkerProfile, fresh_rate, plan
+from echo_cli.config import table_values
+from learner.plan.capacity import LearnerFigures, Plan, WorkerProfile, fresh_rate, plan
+from learner.plan.simulator import LearnerProfile, WorkerClass, check_profile
 from p2p.config import ConfigError, read_toml
 
 REQUIRED = {"name": str, "rollouts_per_s": (int, float), "lease_s": (int, float), "price_per_hour": (int, float)}
@@ -35,6 +37,19 @@ def load_workers(path: Path) -> list[WorkerProfile]:
         names.add(table["name"])
         workers.append(WorkerProfile(table["name"], table["rollouts_per_s"], table["lease_s"], table["price_per_hour"]))
     return workers
+
+
+def load_profile(path: Path) -> tuple[LearnerProfile, list[WorkerClass]]:
+    """`echo-rl simulate --profile`: an optional [learner] table and [[workers]] tables (the fields of
+    learner.plan.simulator.LearnerProfile and WorkerClass)."""
+    doc = read_toml(path, "--profile")
+    learner = LearnerProfile(**table_values(LearnerProfile, doc.get("learner", {}), "learner", path))
+    tables = doc.get("workers", [])
+    if not isinstance(tables, list) or not tables:
+        raise ConfigError(f"{path} needs at least one [[workers]] table (name, share, rollouts_per_s, ...)")
+    classes = [WorkerClass(**table_values(WorkerClass, t, f"workers[{k}]", path)) for k, t in enumerate(tables, 1)]
+    check_profile(learner, classes)
+    return learner, classes
 
 
 def check_figures(f: LearnerFigures) -> None:
@@ -80,3 +95,31 @@ def show_plan(workers_file: Path, f: LearnerFigures, as_json: bool) -> None:
     )
     for note in p.notes:
         console.print(f"[yellow]note:[/] {note}")
+
+
+def show_simulation(result: dict, learner: LearnerProfile, classes: list[WorkerClass]) -> Table:
+    """`echo-rl simulate`'s result as a table: what was simulated, then what it predicts."""
+    kinds = ", ".join(f"{c.name} ({c.share:g} share, {c.rollouts_per_s:g} rollouts/s, ${c.price_per_hour:g}/h)"
+                      for c in classes)  # fmt: skip
+    staleness = ", ".join(f"{k}: {v}" for k, v in result["staleness"].items()) or "-"
+    rows = [
+        ("swarm", f"{result['workers']} workers: {kinds}"),
+        ("learner", f"{learner.prompts_per_step} x {learner.group_size} rollouts per step, T_train "
+                    f"{learner.train_step_s:g}s, S = {learner.staleness}, kappa = {learner.publish_every}"),
+        ("steps", f"{result['steps']} in {result['sim_seconds']:g} simulated seconds"),
+        ("learner utilisation", f"{result['utilisation']:.1%}"),
+        ("active workers", f"{result['active_workers_mean']:g} on average, {result['decisions']} decisions"),
+        ("cost", f"${result['cost']:.4g} (${result['cost_per_step']:.4g} per step, "
+                 f"${result['cost_per_1k_rollouts']:.4g} per 1,000 rollouts)"),
+        ("staleness of trained groups", staleness),
+        ("dropped as stale", f"{result['stale_dropped_groups']} groups"),
+        ("leases expired", str(result["leases_expired"])),
+        ("preemptions", str(result["preemptions"])),
+        ("broadcast", f"{result['bcast_s_mean']:g}s mean, {result['bcast_s_p95']:g}s p95"),
+    ]  # fmt: skip
+    table = Table(title="simulated swarm", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for name, value in rows:
+        table.add_row(name, value)
+    return table

@@ -7,7 +7,6 @@ between leaves only lines that --resume trims. RUN_DIR/config.json holds the run
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import time
@@ -18,14 +17,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from learner.checkpoint import list_checkpoints, load_trainer_state, load_weights, save_checkpoint
 from learner.config import LearnerConfig
-from learner.lora import add_lora
-from learner.models import Policy, load_policy
-from learner.parallel import World, shard
-from learner.replay import has_signal
+from learner.orchestrate.rollouts import Rollout, has_signal
 from learner.tasks import Task, make_task
-from learner.trainer import GRPOTrainer, Rollout, frozen_copy
+from learner.train.checkpoint import list_checkpoints, load_trainer_state, load_weights, save_checkpoint
+from learner.train.data_parallel import World, shard
+from learner.train.lora import add_lora
+from learner.train.models import Policy, load_policy
+from learner.train.trainer import GRPOTrainer, frozen_copy
 from p2p.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -74,7 +73,7 @@ class Run:
 
 def open_run(cfg: LearnerConfig, resume: bool, world: World = World()) -> Run:
     """Load the policy and task; on --resume restore the newest checkpoint. Never overwrites a run.
-    With several ranks the model is sharded (learner.parallel) after its weights are loaded."""
+    With several ranks the model is sharded (learner.train.data_parallel) after its weights are loaded."""
     torch.set_flush_denormal(True)
     run_dir = Path(cfg.run.run_dir)
     metrics_path = run_dir / "metrics.jsonl"
@@ -140,11 +139,6 @@ def scalar_metrics(record: dict, prefix: str = "") -> dict[str, float]:
         elif isinstance(value, int | float) and not isinstance(value, bool) and key != "step":
             scalars[name] = float(value)
     return scalars
-
-
-def step_seed(seed: int, index: int) -> int:
-    """A 63-bit seed for step (or prompt group) `index` of a run seeded `seed`, stable across processes."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 1
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:

@@ -13,7 +13,7 @@ order: with p the sampling distribution (softmax(logits / T), nucleus-restricted
 
 So given the lease's seed and the claimed policy version, a completion is determined: the learner
 replays each token's u and checks that it falls inside the token's CDF interval [C(t - 1), C(t)]
-(learner.verify), up to float noise between the worker's engine and the learner's. A worker that
+(learner.orchestrate.verify), up to float noise between the worker's engine and the learner's. A worker that
 submits text it did not sample this way (its own text, another seed, unsampled tokens with exact
 logprobs) lands outside the intervals.
 

@@ -35,7 +35,7 @@ class ModelSpec:
     token_types: list[int] = field(repr=False)
     merges: list[str] = field(repr=False)
     tokenizer_pre: str = "default"
-    lora_rank: int = 0  # > 0: versions after the first carry only LoRA adapters (see learner.lora)
+    lora_rank: int = 0  # > 0: versions after the first carry only LoRA adapters (see learner.train.lora)
     lora_alpha: float = 0.0  # an adapter adds (lora_alpha / lora_rank) * B A to its weight
 
     def to_dict(self) -> dict:
@@ -232,9 +232,137 @@ class RolloutSubmission:
         return cls(lease, version, parsed)
 
 
+def _ints(value: object, key: str, limit: int = 1 << 16) -> list[int]:
+    if not isinstance(value, list) or len(value) > limit or not all(type(t) is int and t >= 0 for t in value):
+        raise MessageError(f"{key!r} must be a list of at most {limit} integers >= 0")
+    return value
+
+
+def _map(msg: object, key: str) -> dict:
+    if not isinstance(msg, dict):
+        raise MessageError(f"{key!r} must be a map")
+    return msg
+
+
+@dataclass(frozen=True)
+class SpecReply:
+    """/echo/spec/1 reply: the run's id (a new one when the learner restarts), the model, and G."""
+
+    run_id: str
+    spec: ModelSpec
+    group_size: int
+
+    def to_wire(self) -> dict:
+        return {"run_id": self.run_id, "spec": self.spec.to_dict(), "group_size": self.group_size}
+
+    @classmethod
+    def from_wire(cls, msg: dict) -> SpecReply:
+        run_id = msg.get("run_id")
+        if not isinstance(run_id, str) or not 0 < len(run_id) <= 64:
+            raise MessageError("'run_id' must be a string of 1 to 64 characters")
+        try:
+            spec = ModelSpec.from_dict(_map(msg.get("spec"), "spec"))
+        except (KeyError, TypeError) as exc:
+            raise MessageError(f"'spec' is not a model spec ({exc})") from None
+        return cls(run_id, spec, _int(msg, "group_size", 1, 1 << 16))
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    """A lease: prompt groups to complete G times each with `params` (its seed keys every draw), using a
+    policy version >= min_version, within deadline_s seconds."""
+
+    id: int
+    requests: list[GenerationRequest]
+    params: SamplingParams
+    min_version: int
+    deadline_s: float
+
+    def to_wire(self) -> dict:
+        p = self.params
+        return {
+            "id": self.id,
+            "groups": [{"group": r.group, "prompt_ids": r.prompt_ids} for r in self.requests],
+            "group_size": self.requests[0].group_size,
+            "params": {"temperature": p.temperature, "top_p": p.top_p, "max_new_tokens": p.max_new_tokens,
+                       "seed": p.seed},
+            "min_version": self.min_version,
+            "deadline_s": self.deadline_s,
+        }  # fmt: skip
+
+    @classmethod
+    def from_wire(cls, msg: dict) -> LeaseGrant:
+        group_size, groups = _int(msg, "group_size", 1, 1 << 16), msg.get("groups")
+        if not isinstance(groups, list) or not 0 < len(groups) <= 1 << 16:
+            raise MessageError("'groups' must be a non-empty list")
+        requests = []
+        for g in groups:
+            g = _map(g, "groups")
+            requests.append(GenerationRequest(_ints(g.get("prompt_ids"), "prompt_ids"), group_size,
+                                              _int(g, "group", 0, 2**63 - 1)))  # fmt: skip
+        p = _map(msg.get("params"), "params")
+        params = SamplingParams(
+            _float(p, "temperature", 1e-6, 100.0), _float(p, "top_p", 1e-6, 1.0),
+            _int(p, "max_new_tokens", 1, 1 << 20), _int(p, "seed", 0, 2**64 - 1),
+        )  # fmt: skip
+        return cls(_int(msg, "id", 0, 2**64 - 1), requests, params, _int(msg, "min_version", 0, MAX_VERSION),
+                   _float(msg, "deadline_s", 0.0, 1e7))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LeaseReply:
+    """/echo/lease/1 reply: a lease, or wait `wait` seconds (`inactive`: the scheduler has switched this
+    worker off; it keeps relaying chunks). `newest` is the newest published version either way."""
+
+    grant: LeaseGrant | None = None
+    wait: float = 0.0
+    newest: int = -1
+    inactive: bool = False
+
+    def to_wire(self) -> dict:
+        if self.grant is not None:
+            return {"lease": self.grant.to_wire()}
+        return {"wait": self.wait, "newest": self.newest} | ({"inactive": True} if self.inactive else {})
+
+    @classmethod
+    def from_wire(cls, msg: dict) -> LeaseReply:
+        if "lease" in msg:
+            return cls(LeaseGrant.from_wire(_map(msg["lease"], "lease")))
+        inactive = msg.get("inactive", False)
+        return cls(None, _float(msg, "wait", 0.0, 3600.0), _int(msg, "newest", -1, MAX_VERSION), inactive is True)
+
+
+@dataclass(frozen=True)
+class RolloutReply:
+    """/echo/rollout/1 reply: how many prompt groups were accepted (all of the lease's, or an error)."""
+
+    accepted: int
+
+    def to_wire(self) -> dict:
+        return {"accepted": self.accepted}
+
+    @classmethod
+    def from_wire(cls, msg: dict) -> RolloutReply:
+        return cls(_int(msg, "accepted", 0, 1 << 16))
+
+
+@dataclass(frozen=True)
+class HeartbeatReply:
+    """/echo/heartbeat/1 reply: the newest published version (-1 before the first)."""
+
+    newest: int
+
+    def to_wire(self) -> dict:
+        return {"newest": self.newest}
+
+    @classmethod
+    def from_wire(cls, msg: dict) -> HeartbeatReply:
+        return cls(_int(msg, "newest", -1, MAX_VERSION))
+
+
 # Protocols between workers and the learner (the broadcast ones are in p2p.broadcast).
-SPEC = "/echo/spec/1"  # {} -> {"run_id", "spec": ModelSpec dict}
-LEASE = "/echo/lease/1"  # {"version", "max_groups"} -> {"lease": {...}} or {"wait": seconds, "newest": v}
-ROLLOUT = "/echo/rollout/1"  # {"lease", "version", "groups": [...]} -> {"accepted", "stale"}
-HEARTBEAT = "/echo/heartbeat/1"  # {"version", "tokens_per_s", "price"} -> {"newest": v}
-STATUS = "/echo/status/1"  # {} -> the learner's status document (see learner.service.LearnerService.status)
+SPEC = "/echo/spec/1"  # {} -> SpecReply
+LEASE = "/echo/lease/1"  # LeaseRequest -> LeaseReply
+ROLLOUT = "/echo/rollout/1"  # RolloutSubmission -> RolloutReply
+HEARTBEAT = "/echo/heartbeat/1"  # Heartbeat -> HeartbeatReply
+STATUS = "/echo/status/1"  # {} -> the learner's status document (docs/status.md)

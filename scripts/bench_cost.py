@@ -14,7 +14,8 @@ import json
 import statistics
 from pathlib import Path
 
-from learner.simulator import load_profile, simulate
+from echo_cli.plan import load_profile
+from learner.plan.simulator import simulate
 
 
 def main() -> None:

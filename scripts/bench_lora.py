@@ -24,12 +24,12 @@ import numpy as np
 import torch
 
 from learner.config import GRPOConfig
-from learner.lora import add_lora
-from learner.models import export_tensors, load_policy, model_spec
-from learner.publisher import Publisher
-from learner.rollouts import score_groups
+from learner.orchestrate.publisher import Publisher
+from learner.orchestrate.rollouts import score_groups
 from learner.tasks import make_task
-from learner.trainer import GRPOTrainer
+from learner.train.lora import add_lora
+from learner.train.models import export_tensors, load_policy, model_spec
+from learner.train.trainer import GRPOTrainer
 from p2p.messages import GenerationRequest, SamplingParams
 from p2p.versions import build_version, rebuild_raw, tensors_of
 from worker.engines.llamacpp import LlamaCppEngine

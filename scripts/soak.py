@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from learner.journal import read_journal  # noqa: E402
+from learner.orchestrate.journal import read_journal  # noqa: E402
 from p2p.host import Host  # noqa: E402
 from p2p.messages import STATUS  # noqa: E402
 

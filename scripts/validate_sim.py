@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 
 from echo_cli.report import by_version, load_metrics, summarize
-from learner.simulator import LearnerProfile, WorkerClass, simulate
+from learner.plan.simulator import LearnerProfile, WorkerClass, simulate
 
 
 def main() -> None:

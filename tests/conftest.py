@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session")
 def tiny():
-    from learner.models import tiny_policy
+    from learner.train.models import tiny_policy
 
     return tiny_policy(seed=0)
 
@@ -38,8 +38,8 @@ def weights_moved(run_dir: Path) -> bool:
     """Whether the newest checkpoint of a tiny-model run differs from the initial tiny weights (seed 0)."""
     import torch
 
-    from learner.checkpoint import list_checkpoints, load_weights
-    from learner.models import tiny_policy
+    from learner.train.checkpoint import list_checkpoints, load_weights
+    from learner.train.models import tiny_policy
 
     initial, trained = tiny_policy(seed=0).model, tiny_policy(seed=0).model
     load_weights(list_checkpoints(run_dir)[-1], trained)

@@ -9,9 +9,9 @@ import sys
 import torch
 
 from learner.config import GRPOConfig
-from learner.models import tiny_policy
-from learner.parallel import full_state, init_world, leave, shard
-from learner.trainer import GRPOTrainer
+from learner.train.data_parallel import full_state, init_world, leave, shard
+from learner.train.models import tiny_policy
+from learner.train.trainer import GRPOTrainer
 from tests.test_trainer import make_rollouts
 
 

@@ -1,4 +1,4 @@
-"""The capacity model (learner/capacity.py) on hand-computed cases, its solver against brute force, `echo-rl plan`."""
+"""The capacity model (learner/plan/capacity.py) on hand-computed cases, its solver vs brute force, `echo-rl plan`."""
 
 import itertools
 import json
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from learner.capacity import (
+from learner.plan.capacity import (
     LearnerFigures,
     WorkerProfile,
     cheapest_cover,

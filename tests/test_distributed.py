@@ -44,7 +44,7 @@ def test_learner_and_two_workers_train(swarm, mode, staleness, wire, tmp_path):
     assert len(metrics) == 8
     check_accounting(metrics, staleness)
     assert len(metrics[-1]["workers"]) == 2
-    assert sum(w["groups"] for w in metrics[-1]["workers"].values()) >= 16
+    assert sum(w["groups_accepted"] for w in metrics[-1]["workers"].values()) >= 16
     assert (swarm.run_dir / "checkpoints" / "step-000008").exists()
     assert sum(m["trained_tokens"] > 0 for m in metrics) >= 4 and weights_moved(swarm.run_dir)  # it trained
     assert all(m["skipped_updates"] == 0 for m in metrics)
@@ -58,7 +58,7 @@ def test_worker_reconnects_after_learner_restart(swarm):
     args = ["--steps", "100000", "--checkpoint-every", "20", "--max-new-tokens", "8"]
     learner = swarm.learner(*args)
     swarm.worker("w1")
-    from learner.checkpoint import list_checkpoints
+    from learner.train.checkpoint import list_checkpoints
 
     deadline = time.monotonic() + 120
     while not list_checkpoints(swarm.run_dir):  # a complete one: a half-written checkpoint is not resumable
@@ -79,7 +79,7 @@ def test_worker_reconnects_after_learner_restart(swarm):
         if "resumed from" in swarm.log("learner2"):
             last = swarm.metrics()[-1]
             first_step = first_step or last["step"]
-            if last["step"] >= first_step + 5 and any(w["groups"] > 0 for w in last["workers"].values()):
+            if last["step"] >= first_step + 5 and any(w["groups_accepted"] > 0 for w in last["workers"].values()):
                 break  # the same worker came back by itself and feeds the resumed run
         time.sleep(0.3)
     # same identity and port: the address the worker was given still reaches the learner
@@ -165,8 +165,8 @@ def test_autoscale_switches_off_an_expensive_worker_that_is_not_needed(swarm):
     cheap = next(w for w in metrics[-1]["workers"] if w != pricey)
     assert metrics[-1]["workers"][cheap]["active"] and not metrics[-1]["workers"][pricey]["active"]
     # once off, the expensive worker gets no new leases (one in flight may still land); it still follows versions
-    groups_then = next(m for m in metrics if m["step"] == step)["workers"][pricey]["groups"]
-    assert metrics[-1]["workers"][pricey]["groups"] <= groups_then + 1
+    groups_then = next(m for m in metrics if m["step"] == step)["workers"][pricey]["groups_accepted"]
+    assert metrics[-1]["workers"][pricey]["groups_accepted"] <= groups_then + 1
     assert metrics[-1]["workers"][pricey]["version"] >= metrics[-1]["step"] - 2
     assert len(metrics) == 8
 
@@ -186,7 +186,7 @@ def test_lora_run_ships_only_adapters_to_remote_workers(swarm):
     metrics = swarm.metrics()
     check_accounting(metrics, staleness=2)
     assert sum(m["trained_tokens"] for m in metrics) > 0
-    assert {w["groups"] > 0 for w in metrics[-1]["workers"].values()} == {True}  # both engines generated
+    assert {w["groups_accepted"] > 0 for w in metrics[-1]["workers"].values()} == {True}  # both engines generated
     log = swarm.log("learner")
     assert "published v0 (full-zstd" in log and "(LoRA adapters for v0" in log
     sizes = {int(v): b for m in metrics for v, b in m["version_bytes"].items()}

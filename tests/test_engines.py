@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from learner.models import export_tensors, model_spec
-from learner.trainer import Rollout, completion_logprobs
+from learner.orchestrate.rollouts import Rollout
+from learner.train.models import export_tensors, model_spec
+from learner.train.trainer import completion_logprobs
 from p2p.messages import GenerationRequest, SamplingParams
 from worker.engines.hf import TransformersEngine
 from worker.engines.llamacpp import LlamaCppEngine

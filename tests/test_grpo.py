@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from learner.grpo import REWARD_LIMIT, clamp_reward, group_advantages, policy_loss
+from learner.train.grpo import REWARD_LIMIT, clamp_reward, group_advantages, policy_loss
 
 
 def test_group_advantages_by_hand():

@@ -2,9 +2,9 @@ import time
 
 import pytest
 
-from learner.leases import LeaseError, LeaseTable
-from learner.replay import ReplayBuffer, ScoredGroup
-from learner.trainer import Rollout
+from learner.orchestrate.leases import LeaseError, LeaseTable
+from learner.orchestrate.replay import ReplayBuffer
+from learner.orchestrate.rollouts import Rollout, ScoredGroup
 from p2p.broadcast import ChunkStore
 
 

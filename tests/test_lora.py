@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from learner.config import GRPOConfig
-from learner.lora import add_lora, wire_state
-from learner.models import export_tensors, model_spec, tiny_policy
-from learner.publisher import Publisher
-from learner.trainer import GRPOTrainer
+from learner.orchestrate.publisher import Publisher
+from learner.train.lora import add_lora, wire_state
+from learner.train.models import export_tensors, model_spec, tiny_policy
+from learner.train.trainer import GRPOTrainer
 from tests.test_trainer import make_rollouts
 from worker.engines.hf import TransformersEngine
 from worker.engines.llamacpp import LlamaCppEngine

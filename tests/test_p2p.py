@@ -250,7 +250,7 @@ def test_tampered_chunk_is_detected_and_fetched_elsewhere(hosts):
 
 def test_peer_killed_mid_transfer_does_not_stop_the_others():
     """Real processes, capped at 16 Mbit/s so that the transfer takes seconds; one peer gets SIGKILL."""
-    node = [sys.executable, "-m", "p2p.bench", "node"]
+    node = [sys.executable, "-m", "echo_cli.bench_broadcast", "node"]
     procs = []
 
     def spawn(*args):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from learner.models import tiny_policy
+from learner.train.models import tiny_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 

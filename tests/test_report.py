@@ -73,7 +73,8 @@ SWARM_STEP = {
     "step": 7, "wall_s": 30.0, "reward_mean": 0.75, "accuracy": 0.75, "loss": 0.01, "kl": 0.002, "clip_frac": 0.03,
     "completion_len_mean": 12.0, "utilisation": 0.93, "buffer": 4, "staleness": {"1": 3, "2": 1},
     "stale_dropped": 2, "leases": {"issued": 30, "completed": 29, "expired": 1, "refused": {}},
-    "workers": {"abcd1234": {"version": 6, "version_lag": 1, "tokens_per_s": 120.0, "groups": 14, "seen_s_ago": 0.4}},
+    "workers": {"abcd1234": {"version": 6, "version_lag": 1, "tokens_per_s": 120.0, "groups_accepted": 14,
+                             "last_seen_s": 0.4}},
     "seconds": {"wait": 0.1, "train": 2.0, "publish": 0.3},
 }  # fmt: skip
 

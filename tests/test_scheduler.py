@@ -1,10 +1,10 @@
-"""The online scheduler (learner/scheduler.py) driven by a synthetic clock, as the simulator drives it."""
+"""The online scheduler (learner/plan/scheduler.py) driven by a synthetic clock, as the simulator drives it."""
 
 import random
 
 import pytest
 
-from learner.scheduler import MovingAverage, MovingMedian, Scheduler, SchedulerConfig
+from learner.plan.scheduler import MovingAverage, MovingMedian, Scheduler, SchedulerConfig
 
 
 def make(**kw) -> Scheduler:

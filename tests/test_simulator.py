@@ -1,10 +1,10 @@
-"""The swarm simulator (learner/simulator.py) and `echo-rl simulate`."""
+"""The swarm simulator (learner/plan/simulator.py) and `echo-rl simulate`."""
 
 import json
 
 import pytest
 
-from learner.simulator import LearnerProfile, WorkerClass, simulate
+from learner.plan.simulator import LearnerProfile, WorkerClass, simulate
 from tests.conftest import ROOT, run_cli
 
 MIX = [
@@ -65,4 +65,4 @@ def test_simulate_command(tmp_path):
     bad.write_text("[learner]\nstaleness = 'two'\n[[workers]]\nname = 'a'\n")
     res = run_cli("simulate", "--profile", str(bad))
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert res.returncode == 2 and len(lines) == 1 and "staleness must be a number" in lines[0], res.stderr
+    assert res.returncode == 2 and len(lines) == 1 and "learner.staleness: must be an integer" in lines[0], res.stderr

@@ -3,10 +3,11 @@ import copy
 import pytest
 import torch
 
-from learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from learner.config import GRPOConfig
-from learner.models import tiny_policy
-from learner.trainer import GRPOTrainer, Rollout, completion_logprobs, micro_batches
+from learner.orchestrate.rollouts import Rollout
+from learner.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from learner.train.models import tiny_policy
+from learner.train.trainer import GRPOTrainer, completion_logprobs, micro_batches
 
 
 def make_rollouts(policy, n=6):
@@ -135,7 +136,7 @@ def test_minibatches_take_several_updates_and_the_decoupled_clip_binds():
 
 def test_trainer_and_verifier_score_top_p_alike():
     """With top_p < 1 the trainer scores under the sampler's nucleus: on-policy ratios are 1."""
-    from learner.verify import replay_sampling
+    from learner.orchestrate.verify import replay_sampling
 
     policy = tiny_policy(0)
     model = policy.model.float().eval()
@@ -180,8 +181,8 @@ def test_published_snapshot_rounds_like_numpy(dtype):
     """The publisher's torch conversion gives the very bits of the numpy reference (f16 cast, bf16_bits)."""
     import numpy as np
 
-    from learner.models import export_tensors
-    from learner.publisher import Publisher
+    from learner.orchestrate.publisher import Publisher
+    from learner.train.models import export_tensors
     from p2p.codec import bf16_bits
 
     model = tiny_policy(seed=3).model

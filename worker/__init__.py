@@ -1,1 +1,2 @@
-"""The rollout worker: weight conversion for its engine, inference engines, and (soon) the daemon."""
+"""The rollout worker: the daemon (`echo-rl worker join`), its inference engines (llama.cpp, transformers),
+the GGUF conversion of wire weights and the seeded sampler."""

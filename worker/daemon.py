@@ -33,13 +33,17 @@ from p2p.messages import (
     LEASE,
     ROLLOUT,
     SPEC,
-    GenerationRequest,
     GroupSubmission,
     Heartbeat,
+    HeartbeatReply,
+    LeaseGrant,
+    LeaseReply,
     LeaseRequest,
+    MessageError,
     ModelSpec,
+    RolloutReply,
     RolloutSubmission,
-    SamplingParams,
+    SpecReply,
 )
 from p2p.versions import tensors_of
 from worker.config import WorkerConfig
@@ -116,6 +120,11 @@ class WorkerDaemon:
                 except RemoteError as exc:
                     log.warning("learner refused: %s", exc)
                     self.stop.wait(1.0)
+                except MessageError as exc:  # a reply that breaks its schema: not a learner we can work with
+                    log.warning("unreadable reply from the learner (%s); joining again", exc)
+                    self.spec = None
+                    self.stop.wait(backoff)
+                    backoff = min(backoff * 2, 10.0)
                 except (CodecError, ManifestError) as exc:  # a bad version: start over from a full snapshot
                     log.warning("could not rebuild the policy (%s); fetching it again", exc)
                     self.held, self.version = None, -1
@@ -132,38 +141,37 @@ class WorkerDaemon:
             self.state = "joining"
             authenticate(self.host, self.cfg.learner, self.secret)
             self.peer.join()
-            reply = self._request(SPEC, {})
-            group_size = reply.get("group_size", 0)
-            if isinstance(group_size, int) and group_size > self.cfg.max_batch:
+            reply = SpecReply.from_wire(self._request(SPEC, {}))
+            if reply.group_size > self.cfg.max_batch:
                 raise ConfigError(
-                    f"worker.max_batch {self.cfg.max_batch} is below the learner's group size {group_size}: "
-                    f"join with --max-batch {group_size} or more"
+                    f"worker.max_batch {self.cfg.max_batch} is below the learner's group size {reply.group_size}: "
+                    f"join with --max-batch {reply.group_size} or more"
                 )
-            self.spec = ModelSpec.from_dict(reply["spec"])
-            if reply["run_id"] != self.run_id:  # a new run, or the learner restarted: versions start over
-                self.run_id, self.held, self.version = reply["run_id"], None, -1
+            self.spec = reply.spec
+            if reply.run_id != self.run_id:  # a new run, or the learner restarted: versions start over
+                self.run_id, self.held, self.version = reply.run_id, None, -1
                 store = self.peer.store
                 for version, manifest in list(store.manifests.items()):  # the old run's v6 is not the new
                     if manifest.run_id != self.run_id:  # run's v6: never serve its chunks under that number
                         store.drop(version)
-        self.newest = self._request(HEARTBEAT, self._heartbeat())["newest"]
+        self.newest = HeartbeatReply.from_wire(self._request(HEARTBEAT, self._heartbeat())).newest
         if self.newest != self.version:
             self._update()
         if self.version < 0:
             return
-        reply = self._request(LEASE, LeaseRequest(self.version, self.cfg.max_groups).to_wire())
-        if "wait" in reply:
-            self.newest = reply.get("newest", self.newest)
+        reply = LeaseReply.from_wire(self._request(LEASE, LeaseRequest(self.version, self.cfg.max_groups).to_wire()))
+        if reply.grant is None:
+            self.newest = reply.newest
             if self.newest != self.version:
                 self._update()
-            elif reply.get("inactive"):
+            elif reply.inactive:
                 self.state = "inactive: the learner has cheaper workers enough; relaying chunks only"
-                self.stop.wait(float(min(max(reply["wait"], 0.05), 5.0)))
+                self.stop.wait(min(max(reply.wait, 0.05), 5.0))
             else:
                 self.state = "idle: the learner needs no more rollouts now"
-                self.stop.wait(float(min(max(reply["wait"], 0.05), 5.0)))
+                self.stop.wait(min(max(reply.wait, 0.05), 5.0))
             return
-        self._work(reply["lease"])
+        self._work(reply.grant)
 
     def _heartbeat(self) -> dict:
         return Heartbeat(self.version, self.tokens_per_s, self.cfg.price, self.hardware).to_wire()
@@ -202,28 +210,21 @@ class WorkerDaemon:
             for (name, array), entry in zip(tensors_of(manifest, raw).items(), manifest.tensors, strict=True)
         }
 
-    def _work(self, lease: dict) -> None:
-        version = self.version
-        p = lease["params"]
-        params = SamplingParams(float(p["temperature"]), float(p["top_p"]), int(p["max_new_tokens"]), int(p["seed"]))
-        requests = [
-            GenerationRequest(list(g["prompt_ids"]), int(lease["group_size"]), int(g["group"])) for g in lease["groups"]
-        ]
-        log.debug("lease %d: %d groups on v%d", lease["id"], len(requests), version)
-        self.state = f"generating lease {lease['id']} ({len(requests)} groups) on v{version}"
+    def _work(self, lease: LeaseGrant) -> None:
+        version, requests = self.version, lease.requests
+        log.debug("lease %d: %d groups on v%d", lease.id, len(requests), version)
+        self.state = f"generating lease {lease.id} ({len(requests)} groups) on v{version}"
         tick = time.perf_counter()
-        groups = self.engine.generate(requests, params)
+        groups = self.engine.generate(requests, lease.params)
         elapsed = time.perf_counter() - tick
         tokens = sum(len(c.tokens) for g in groups for c in g)
         self.tokens_per_s = tokens / max(elapsed, 1e-9)
         payload = RolloutSubmission(
-            lease["id"],
-            version,
-            [GroupSubmission(g["group"], cs) for g, cs in zip(lease["groups"], groups, strict=True)],
+            lease.id, version, [GroupSubmission(r.group, cs) for r, cs in zip(requests, groups, strict=True)]
         ).to_wire()
         try:
-            self._request(ROLLOUT, payload, timeout=60)
+            reply = RolloutReply.from_wire(self._request(ROLLOUT, payload, timeout=60))
             self.leases_done += 1
-            log.debug("lease %d accepted: groups %s", lease["id"], [g["group"] for g in lease["groups"]])
+            log.debug("lease %d accepted: %d groups", lease.id, reply.accepted)
         except RemoteError as exc:  # e.g. the lease expired while we generated: the work is discarded
             log.warning("rollouts refused: %s", exc)

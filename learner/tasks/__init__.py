@@ -2,7 +2,7 @@
 
 Every built-in reward function takes any text and returns a float in [0, 1]; it never raises. Whatever a
 reward returns (a user's jsonl reward included) is made finite and clamped to +-100 before it is used
-(learner.grpo.clamp_reward).
+(learner.train.grpo.clamp_reward).
 """
 
 from __future__ import annotations

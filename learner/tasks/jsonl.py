@@ -54,7 +54,7 @@ class JsonlTask:
         except Exception as exc:  # noqa: BLE001 - a user's reward must not stop training
             log.warning("reward function failed (%s: %s); scoring 0", type(exc).__name__, exc)
             return 0.0
-        return value  # made finite and bounded where every reward is (learner.rollouts.score_groups)
+        return value  # made finite and bounded where every reward is (learner.orchestrate.rollouts.score_groups)
 
 
 def load_records(path: Path) -> list[dict]:

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 import zstandard
 
-from learner.trainer import Rollout
-from learner.verify import replay_sampling
+from learner.orchestrate.rollouts import Rollout
+from learner.orchestrate.verify import replay_sampling
 from p2p.auth import authenticate
 from p2p.broadcast import JOIN, BroadcastPeer, ChunkStore
 from p2p.host import Host, PeerUnavailable, RemoteError

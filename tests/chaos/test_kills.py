@@ -5,7 +5,7 @@ import signal
 import time
 from pathlib import Path
 
-from learner.journal import read_journal
+from learner.orchestrate.journal import read_journal
 from tests.test_distributed import check_accounting
 
 
@@ -63,7 +63,7 @@ def test_learner_killed_and_resumed_loses_no_accepted_rollout_or_step(swarm):
         f"{len(lost)} lost, {stale} dropped as stale"
     )
     last_workers = after[-1]["workers"]
-    assert len(last_workers) == 2 and all(w["groups"] > 0 for w in last_workers.values())  # both came back
+    assert len(last_workers) == 2 and all(w["groups_accepted"] > 0 for w in last_workers.values())  # both came back
 
 
 def test_killed_worker_lease_is_reissued_and_late_joiner_catches_up(swarm):

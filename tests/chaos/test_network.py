@@ -139,7 +139,7 @@ def test_worker_cut_off_from_the_learner_but_not_its_peers(swarm):
         cut_id = swarm.log("cut").split("worker ", 1)[1].split()[0][-8:]
 
         def groups() -> int:
-            return swarm.metrics()[-1]["workers"].get(cut_id, {}).get("groups", 0)
+            return swarm.metrics()[-1]["workers"].get(cut_id, {}).get("groups_accepted", 0)
 
         versions_before, groups_before = swarm.log("cut").count("now on v"), groups()
         relay.restore()

@@ -1,7 +1,8 @@
 """A discrete-event simulation of a swarm: the learner, the broadcast and heterogeneous workers.
 
-It drives the real learner's Scheduler (learner/scheduler.py) and capacity model with simulated time,
-so what it predicts is what those decisions do. What is simulated, per event:
+It drives the real learner's Scheduler (learner/plan/scheduler.py), capacity model and lease admission
+rule (learner/plan/admission.py) with simulated time, so what it predicts is what those decisions do.
+What is simulated, per event:
 
     learner    takes a batch of P groups within the staleness bound (oldest first, stale ones dropped),
                trains for T_train (with jitter), publishes every kappa steps; after each step the
@@ -22,11 +23,11 @@ import math
 import random
 from collections import Counter
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
-from learner.scheduler import Scheduler, SchedulerConfig
-from p2p.config import ConfigError, read_toml
+from learner.plan.admission import Admission, LeaseAdmission, within_staleness
+from learner.plan.scheduler import Scheduler, SchedulerConfig
+from p2p.config import ConfigError
 
 BROADCAST_EFFICIENCY = 1.2  # measured: peer-assisted broadcast finished in 1.20 x T_min
 
@@ -99,32 +100,15 @@ class SimResult:
     bcast_s_p95: float
 
 
-def load_profile(path: Path) -> tuple[LearnerProfile, list[WorkerClass]]:
-    """A TOML file with an optional [learner] table and [[workers]] tables (fields of the dataclasses above)."""
-    doc = read_toml(path, "--profile")
-    learner = _build(LearnerProfile, doc.get("learner", {}), f"{path} [learner]")
-    classes = [_build(WorkerClass, t, f"{path} [[workers]] {k}") for k, t in enumerate(doc.get("workers", []), 1)]
-    if not classes:
-        raise ConfigError(f"{path} needs at least one [[workers]] table (name, share, rollouts_per_s, ...)")
-    if sum(c.share for c in classes) <= 0:
-        raise ConfigError(f"{path}: the [[workers]] shares must add up to more than 0")
-    return learner, classes
-
-
-def _build(cls: type, table: dict[str, Any], where: str) -> Any:
-    known = {f.name: f for f in fields(cls)}
-    for key, value in table.items():
-        if key not in known:
-            raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(known)})")
-        want = type(getattr(cls(), key))
-        if (
-            want is str
-            and not isinstance(value, str)
-            or want is not str
-            and (not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0)
-        ):
-            raise ConfigError(f"{where}: {key} must be {'a string' if want is str else 'a number >= 0'}")
-    return cls(**{k: (int(v) if type(getattr(cls(), k)) is int else v) for k, v in table.items()})
+def check_profile(learner: LearnerProfile, classes: list[WorkerClass]) -> None:
+    """Every figure of a profile finite and >= 0, at least one worker class with a positive share."""
+    for where, profile in [("learner", learner)] + [(f"workers[{k}]", c) for k, c in enumerate(classes, 1)]:
+        for f in fields(profile):
+            value = getattr(profile, f.name)
+            if isinstance(value, int | float) and not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{where}.{f.name} must be a finite number >= 0, got {value}")
+    if not classes or sum(c.share for c in classes) <= 0:
+        raise ConfigError("a profile needs [[workers]] tables whose shares add up to more than 0")
 
 
 class Simulation:
@@ -144,6 +128,7 @@ class Simulation:
                 expected_step_s=learner.expected_step_s,
             )
         )
+        self.admission = LeaseAdmission(self.scheduler, "async", learner.staleness, learner.prefetch_batches, autoscale)
         total = sum(c.share for c in classes)
         counts = [round(n_workers * c.share / total) for c in classes]
         counts[-1] = n_workers - sum(counts[:-1])
@@ -204,7 +189,7 @@ class Simulation:
     def _try_train(self) -> None:
         if self.training or self.step >= self.steps:  # after the last step no batch is taken (nor counted)
             return
-        fresh = [g for g in self.buffer if self.version - g[0] <= self.p.staleness]
+        fresh = [g for g in self.buffer if within_staleness(self.version, g[0], self.p.staleness)]
         self.stale_dropped += len(self.buffer) - len(fresh)
         self.buffer = sorted(fresh)
         p = self.p.prompts_per_step
@@ -255,15 +240,24 @@ class Simulation:
     def _room(self) -> int:
         return self.p.prefetch_batches * self.p.prompts_per_step - len(self.buffer) - self.outstanding
 
+    def _admit(self, w: SimWorker) -> Admission:
+        """The learner's rule (learner.plan.admission) on worker w's request for a lease."""
+        encoding = self.out[-1][1] if self.out[-1][0] > self.now else -1
+        return self.admission.admit(
+            w.name, w.held, self.p.groups_per_lease, self.now, version=self.version, encoding=encoding,
+            batch_groups=self.p.prompts_per_step, buffered=len(self.buffer), leased=self.outstanding,
+        )  # fmt: skip
+
     def _dispatch(self) -> None:
         """Hand leases to idle workers, in random order, while the learner has room."""
-        while self.idle and (room := self._room()) > 0:
+        while self.idle and self._room() > 0:
             k = self.rng.randrange(len(self.idle))
             self.idle[k], self.idle[-1] = self.idle[-1], self.idle[k]
             w = self.workers[self.idle.pop()]
-            if not self._can_lease(w):
+            admitted = self._admit(w) if self._ready(w) else Admission()
+            if not admitted.groups:
                 continue
-            n = min(self.scheduler.lease_groups(w.name), room)
+            n = admitted.groups
             self.next_lease += 1
             lease_id = self.next_lease
             self.leases[lease_id] = (w.name, n, w.held, self.now)
@@ -273,14 +267,15 @@ class Simulation:
             gen = n * self.p.group_size / k.rollouts_per_s * self.rng.uniform(1 - k.jitter, 1 + k.jitter)
             w.busy_until = self.now + k.rtt_s + gen
             self.at(w.busy_until, "delivered", w.name, w.generation, lease_id)
-            self.at(self.now + self.scheduler.lease_deadline(w.name), "deadline", lease_id)
+            self.at(admitted.expires_at, "deadline", lease_id)
+
+    def _ready(self, w: SimWorker) -> bool:
+        """Idle, holding the newest published version (a worker fetches a newer one before it asks)."""
+        return w.connected and w.lease is None and w.busy_until <= self.now and w.held >= max(self.newest_out, 0)
 
     def _can_lease(self, w: SimWorker) -> bool:
-        if not w.connected or w.lease is not None or w.busy_until > self.now or w.held < 0:
-            return False
-        if self.version - w.held > self.p.staleness or self.out[-1][1] > w.held:
-            return False  # a newer version is out or being encoded: the worker fetches it first
-        return not self.autoscale or self.scheduler.may_lease(w.name)
+        """Ready and admitted but for the learner's room (it waits among the idle until there is some)."""
+        return self._ready(w) and self._admit(w).refused in ("", "full")
 
     # -- workers --------------------------------------------------------------------------------------
 
@@ -320,7 +315,7 @@ class Simulation:
             self.outstanding -= n
             self.scheduler.lease_done(name, self.now, self.now - issued, n * self.p.group_size)
             for _ in range(n):
-                self.scheduler.group_arrived(name, fresh=self.version - version <= self.p.staleness)
+                self.scheduler.group_arrived(name, fresh=within_staleness(self.version, version, self.p.staleness))
                 self.buffer.append((version, name))
             self._try_train()
         self._wake(w)

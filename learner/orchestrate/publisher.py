@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import torch
 
-from learner.lora import wire_state
+from learner.train.lora import wire_state
 from p2p.broadcast import Seeder
 from p2p.codec import DEFAULT_CHUNK
 from p2p.config import ConfigError
@@ -28,7 +28,7 @@ def wire_tensors(
     Matrices go as bf16 bit patterns (uint16) or f16; vectors (norms, a few KB) as float32, as the
     worker's GGUF keeps them. torch rounds to nearest even like numpy, 10x faster on the learner's
     thread (0.03-0.08 s against 0.5-0.7 s for SmolLM2's f16). `state`: the gathered weights of a
-    sharded model (learner.parallel.full_state).
+    sharded model (learner.train.data_parallel.full_state).
     """
     tensors = {}
     for name, t in wire_state(model, adapter_only, state).items():

@@ -31,8 +31,8 @@ from typing import Any, BinaryIO
 
 import msgpack
 
-from learner.replay import ScoredGroup
-from learner.trainer import Rollout
+from learner.orchestrate.rollouts import Rollout, ScoredGroup
+from learner.plan.admission import within_staleness
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class RolloutJournal:
             used = {g.group_id for g in batch + set_aside}
             stale = [
                 g for g in self.state.pending()
-                if version - self.state.groups[g]["version"] > self.staleness and g not in used
+                if not within_staleness(version, self.state.groups[g]["version"], self.staleness) and g not in used
             ]  # fmt: skip
         record = {
             "t": "step", "step": step, "batch": [g.group_id for g in batch],

@@ -25,13 +25,13 @@ import multiaddr
 from transformers import AutoModelForCausalLM
 
 from learner.config import LearnerConfig
-from learner.journal import JournalState, RolloutJournal, group_of, read_journal
-from learner.models import model_spec
-from learner.parallel import full_state, init_world, leave
-from learner.publisher import Publisher
+from learner.orchestrate.handlers import LearnerService
+from learner.orchestrate.journal import JournalState, RolloutJournal, group_of, read_journal
+from learner.orchestrate.publisher import Publisher
+from learner.orchestrate.verify import RolloutVerifier
 from learner.run import Run, batch_metrics, open_run
-from learner.service import LearnerService
-from learner.verify import RolloutVerifier
+from learner.train.data_parallel import full_state, init_world, leave
+from learner.train.models import model_spec
 from p2p.auth import AUTH, SwarmAuth, read_allow_list, read_secret
 from p2p.broadcast import ChunkStore, Seeder
 from p2p.host import Host, HostConfig, load_identity
@@ -55,7 +55,7 @@ def listen_addr(cfg: LearnerConfig, run_dir: Path) -> str:
 def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict]:
     """Run (or resume) a swarm GRPO run; yields each step's metrics after it is written.
 
-    Under torchrun, rank 0 runs this loop and the other ranks `follow` it (learner.parallel)."""
+    Under torchrun, rank 0 runs this loop and the other ranks `follow` it (learner.train.data_parallel)."""
     secret = read_secret(cfg.swarm.secret_file) if cfg.swarm.secret_file else None
     allow = read_allow_list(cfg.swarm.allow) if cfg.swarm.allow else None
     world = init_world()
@@ -111,7 +111,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                 len(resumed.pending()), len(replay), len(resumed.unreturned()),
             )  # fmt: skip
         version = run.start_step
-        service.version = version
+        service.advance(version)
 
         def publish(version: int, tensors: dict) -> None:
             manifest = publisher.publish(version, tensors)
@@ -149,7 +149,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
             # 2. one optimizer step on them. The version moves on before the step: leases handed out
             #    from now on are measured against it (in pull mode: none until it is published)
             version = step
-            service.version = version
+            service.advance(version)
             stats = trainer.step(world.broadcast([r for g in batch for r in g.rollouts]))
             seconds["train"], tick = time.perf_counter() - tick, time.perf_counter()
 
@@ -158,7 +158,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
             if version % cfg.swarm.publish_every == 0:
                 if pending is not None:
                     pending.result()  # also raises if it failed
-                service.publishing = version
+                service.encoding(version)
                 pending = publishing.submit(publish, version, snapshot())
                 seconds["publish"] = time.perf_counter() - tick
             step_s = sum(seconds.values())
@@ -186,8 +186,8 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                 },
                 "workers": service.worker_table(),
                 "decisions": [{"worker": d.worker[-8:], "active": d.active, "reason": d.reason} for d in decisions],
-                "bcast_s": {str(v): round(s, 2) for v, s in sorted(service.bcast_seconds.items())[-3:]},
-                "version_bytes": {str(v): b for v, b in sorted(service.version_bytes.items())[-3:]},
+                "bcast_s": {str(v): round(s, 2) for v, s in sorted(service.versions.bcast_seconds.items())[-3:]},
+                "version_bytes": {str(v): b for v, b in sorted(service.versions.payload_bytes.items())[-3:]},
                 "seconds": {k: round(v, 4) for k, v in seconds.items()},
                 "batch_groups": [g.group_id for g in batch],
                 "set_aside_groups": [g.group_id for g in set_aside],
@@ -196,7 +196,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
             }
             if run.record(step, record):
                 journal.checkpointed(step)
-            service.last_step = record
+            service.step_recorded(record)
             yield record
         if pending is not None:
             pending.result()  # the last version reaches the seeder before we stop serving

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_model, save_file
 
-from learner.parallel import World, full_optimizer_state, full_state, load_optimizer_state
+from learner.train.data_parallel import World, full_optimizer_state, full_state, load_optimizer_state
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -78,7 +78,7 @@ def save_checkpoint(
 
 
 def load_weights(path: Path, model: torch.nn.Module) -> dict[str, Any]:
-    """Restore the weights into an unsharded model (before learner.parallel.shard); return state.json."""
+    """Restore the weights into an unsharded model (before learner.train.data_parallel.shard); return state.json."""
     load_model(model, str(path / "model.safetensors"))
     return json.loads((path / "state.json").read_text())
 

@@ -1,6 +1,6 @@
 """Broadcast benchmark: a learner and N peers as separate processes on 127.0.0.1 with capped bandwidth.
 
-The orchestrator (`run_broadcast_bench`) starts every node as `python -m p2p.bench node ...`, waits
+The orchestrator (`run_broadcast_bench`) starts every node as `python -m echo_cli.bench_broadcast node ...`, waits
 until all listen, tells all peers to start at once, and reports the seconds until the last peer holds
 the verified version, next to the star time N*M/u_s and the lower bound of design.md §4:
     T_min = max(M / u_s, M / min_i d_i, N * M / (u_s + sum_i u_i)).
@@ -81,7 +81,7 @@ def node_main(argv: list[str]) -> None:
 def run_broadcast_bench(
     peers: int, size_mb: float, learner_up: float, peer_up: float, peer_down: float | None, mode: str, chunk_mib: float
 ) -> dict[str, Any]:
-    node = [sys.executable, "-m", "p2p.bench", "node"]
+    node = [sys.executable, "-m", "echo_cli.bench_broadcast", "node"]
     procs: list[subprocess.Popen] = []
 
     def spawn(args: list[str]) -> tuple[subprocess.Popen, dict]:
@@ -151,4 +151,6 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "node":
         node_main(sys.argv[2:])
     else:
-        sys.exit("usage: python -m p2p.bench node seeder|peer ... (started by `echo-rl bench broadcast`)")
+        sys.exit(
+            "usage: python -m echo_cli.bench_broadcast node seeder|peer ... (started by `echo-rl bench broadcast`)"
+        )

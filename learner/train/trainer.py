@@ -1,4 +1,7 @@
-"""One GRPO optimizer step on a batch of scored rollouts, with micro-batching to bound memory."""
+"""One GRPO optimizer step on a batch of scored rollouts, with micro-batching to bound memory.
+
+The trainer reads four fields of a rollout (`TrainingSequence`); learner.orchestrate.rollouts.Rollout is
+the one the learner passes, and this package never imports the swarm side."""
 
 from __future__ import annotations
 
@@ -6,26 +9,37 @@ import copy
 import logging
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from learner.config import GRPOConfig
-from learner.grpo import policy_loss
-from learner.parallel import World
+from learner.train.data_parallel import World
+from learner.train.grpo import policy_loss
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Rollout:
-    """A scored completion ready for training."""
+class TrainingSequence(Protocol):
+    """What one step reads of a scored completion."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
     behaviour_logprobs: list[float]  # log mu per completion token, from the sampler
-    reward: float
+    advantage: float
+
+
+Batch = list[TrainingSequence]
+
+
+@dataclass
+class Padding:
+    """The smallest sequence a forward pass accepts (a rank whose share of a minibatch is done)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behaviour_logprobs: list[float]
     advantage: float = 0.0
-    version: int = 0  # policy version the sampler held when generation started
 
 
 class GRPOTrainer:
@@ -33,7 +47,7 @@ class GRPOTrainer:
 
     `step(rollouts)` splits the batch into `grpo.minibatches` parts and takes one optimizer update on
     each: pi_theta's logprobs of the completion tokens (at the sampling temperature and top-p, as the
-    sampler drew them), the loss of learner.grpo.policy_loss, a clipped gradient. An update whose loss
+    sampler drew them), the loss of learner.train.grpo.policy_loss, a clipped gradient. An update whose loss
     or gradient is not finite is skipped (counted, logged): it never reaches the weights.
 
     The reference of the KL penalty is the initial policy: pass `reference` when the model already
@@ -48,7 +62,7 @@ class GRPOTrainer:
         self.cfg = cfg
         self.temperature = temperature
         self.top_p = top_p
-        self.world = world  # several ranks: `model` is sharded (learner.parallel) and each trains on its share
+        self.world = world  # several ranks: `model` is sharded (train.data_parallel), each trains on its share
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=cfg.lr,
@@ -60,7 +74,7 @@ class GRPOTrainer:
             self.reference = reference if reference is not None else frozen_copy(model)
         self.skipped_updates = 0  # over the whole run: updates dropped for a non-finite loss or gradient
 
-    def step(self, rollouts: list[Rollout]) -> dict[str, float]:
+    def step(self, rollouts: list[TrainingSequence]) -> dict[str, float]:
         """One training step (grpo.minibatches optimizer updates); returns loss, grad norm, clip fraction,
         KL figures, tokens trained and updates skipped as non-finite."""
         cfg, world = self.cfg, self.world
@@ -91,7 +105,7 @@ class GRPOTrainer:
         return {**sums, "trained_tokens": trained_tokens, "skipped_updates": skipped}
 
     def _update(
-        self, minibatch: list[Rollout], passes: list[list[Rollout]], proximal: dict[int, torch.Tensor] | None
+        self, minibatch: list[TrainingSequence], passes: list[Batch], proximal: dict[int, torch.Tensor] | None
     ) -> tuple[dict[str, float] | None, int]:
         """One optimizer update on a minibatch. The loss is normalised over all of its tokens, those of
         skipped equal-reward groups included, so skipping (an optimisation: their gradient is zero)
@@ -147,7 +161,7 @@ class GRPOTrainer:
         return {**sums, "grad_norm": grad_norm}, int(tokens)
 
     @torch.no_grad()
-    def _proximal_logprobs(self, plans: list[tuple[list[Rollout], list[list[Rollout]]]]) -> dict[int, torch.Tensor]:
+    def _proximal_logprobs(self, plans: list[tuple[Batch, list[Batch]]]) -> dict[int, torch.Tensor]:
         """log pi_prox of every completion token this rank trains on, keyed by id(rollout): [len_i] each."""
         out: dict[int, torch.Tensor] = {}
         for _, passes in plans:
@@ -163,14 +177,14 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model).eval().requires_grad_(False)
 
 
-PADDING = Rollout([0], [0], [0.0], 0.0)  # the smallest sequence a forward pass accepts
+PADDING = Padding([0], [0], [0.0])
 
 
-def micro_batches(rollouts: list[Rollout], max_tokens: int) -> list[list[Rollout]]:
+def micro_batches(rollouts: list[TrainingSequence], max_tokens: int) -> list[list[TrainingSequence]]:
     """Group rollouts of similar length so that each padded micro-batch holds <= max_tokens tokens."""
     ordered = sorted(rollouts, key=lambda r: len(r.prompt_ids) + len(r.completion_ids))
-    batches: list[list[Rollout]] = []
-    current: list[Rollout] = []
+    batches: list[list[TrainingSequence]] = []
+    current: list[TrainingSequence] = []
     for r in ordered:
         length = len(r.prompt_ids) + len(r.completion_ids)  # the longest so far, as they are sorted
         if current and length * (len(current) + 1) > max_tokens:
@@ -182,7 +196,7 @@ def micro_batches(rollouts: list[Rollout], max_tokens: int) -> list[list[Rollout
     return batches
 
 
-def pack_completions(batch: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_completions(batch: list[TrainingSequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded prompt + completion ids [B, T], their mask [B, T], and for every completion token
     the (row, column) of the position whose output predicts it: rows [N], cols [N]."""
     seqs = [r.prompt_ids + r.completion_ids for r in batch]
@@ -200,7 +214,7 @@ def pack_completions(batch: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def completion_logprobs(
-    model: torch.nn.Module, batch: list[Rollout], temperature: float, top_p: float = 1.0
+    model: torch.nn.Module, batch: list[TrainingSequence], temperature: float, top_p: float = 1.0
 ) -> torch.Tensor:
     """log pi(token) for every completion token of `batch`, flat in batch order: [N].
 

@@ -17,7 +17,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from learner.lora import wire_state
+from learner.train.lora import wire_state
 from p2p.messages import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class Policy:
     tokenizer: PreTrainedTokenizerFast
     name: str
     tokenizer_pre: str = "default"
-    lora_rank: int = 0  # > 0 once learner.lora.add_lora injected adapters
+    lora_rank: int = 0  # > 0 once learner.train.lora.add_lora injected adapters
     lora_alpha: float = 0.0
 
     def render_prompt(self, user_text: str) -> list[int]:
@@ -227,5 +227,5 @@ def model_spec(policy: Policy) -> ModelSpec:
 
 
 def export_tensors(model: torch.nn.Module, adapter_only: bool = False) -> dict[str, np.ndarray]:
-    """The model's weights as float32 numpy arrays under their wire names (learner.lora.wire_state)."""
+    """The model's weights as float32 numpy arrays under their wire names (learner.train.lora.wire_state)."""
     return {name: t.float().numpy() for name, t in wire_state(model, adapter_only).items()}

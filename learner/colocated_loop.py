@@ -14,11 +14,9 @@ from typing import Protocol
 import numpy as np
 
 from learner.config import LearnerConfig
-from learner.models import export_tensors, model_spec
-from learner.replay import has_signal
-from learner.rollouts import score_groups
-from learner.run import batch_metrics, open_run, step_seed
-from learner.trainer import Rollout
+from learner.orchestrate.rollouts import Rollout, has_signal, score_groups, step_seed
+from learner.run import batch_metrics, open_run
+from learner.train.models import export_tensors, model_spec
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams
 
 

@@ -1,12 +1,12 @@
 """Online scheduling: estimate the capacity model's figures as the run goes, and act on them.
 
-The same class drives the real learner (learner/service.py, wall-clock time) and the swarm simulator
-(learner/simulator.py, simulated time): every method takes `now` instead of reading a clock.
+The same class drives the real learner (learner/orchestrate/handlers.py, wall-clock time) and the swarm simulator
+(learner/plan/simulator.py, simulated time): every method takes `now` instead of reading a clock.
 
     estimates   T_train, the step period and T_bcast: moving medians of the last 9 steps (one slow step
                 must not switch workers off); per worker mu_i (rollouts/s) and L_i (lease seconds): moving
                 averages with a warm-up (the mean of the first samples, then exponential)
-    activation  the cheapest cover of the capacity model (learner/capacity.py), with hysteresis:
+    activation  the cheapest cover of the capacity model (learner/plan/capacity.py), with hysteresis:
                 - a new worker is planned on the rate it declared, or else is on probation (active) until
                   `warmup` leases have measured it
                 - active workers' prices count (1 - incumbent_discount) in the solver, so noise in the
@@ -28,7 +28,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from learner.capacity import LearnerFigures, WorkerProfile, choose_active, demand, fresh_rate, ineligibility
+from learner.plan.capacity import LearnerFigures, WorkerProfile, choose_active, demand, fresh_rate, ineligibility
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from learner.trainer import Rollout, nucleus_masks, pack_completions
+from learner.orchestrate.rollouts import Rollout
+from learner.train.trainer import nucleus_masks, pack_completions
 from p2p.codec import bf16_to_f32
 from p2p.draws import uniforms
 from p2p.messages import is_adapter
@@ -81,7 +82,7 @@ def replay_sampling(
     it (-inf outside), in float64.
     """
     ids, mask, rows_t, cols_t = pack_completions(batch)  # [B, T], [B, T], [N], [N]
-    # the output layer only at completion positions (as learner.trainer.completion_logprobs)
+    # the output layer only at completion positions (as learner.train.trainer.completion_logprobs)
     out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1)
     hidden = out.hidden_states[-1][rows_t, cols_t]  # [N, H]
     targets = ids[rows_t, cols_t + 1]  # [N]

@@ -1,0 +1,324 @@
+"""The learner's side of the worker protocols: SPEC, LEASE, ROLLOUT, HEARTBEAT and STATUS for one run.
+
+Handlers run in the host's worker threads, concurrently with the training loop; everything they share
+with it (the replay buffer, the lease table, the versions) is thread-safe. Every request is parsed into
+its typed message (p2p.messages) first; everything a worker states (versions, rates, hardware) is checked
+before it is stored. Who gets a lease is learner.plan.admission's rule; what happens to a submission is
+learner.orchestrate.intake's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+from learner.config import LearnerConfig
+from learner.orchestrate.intake import PromptBook, RolloutIntake, rollout_limits
+from learner.orchestrate.journal import JournalState, RolloutJournal
+from learner.orchestrate.leases import LeaseTable
+from learner.orchestrate.replay import ReplayBuffer
+from learner.orchestrate.verify import RolloutVerifier
+from learner.orchestrate.versions import PolicyVersions
+from learner.orchestrate.workers import WorkerRecord, describe_hardware
+from learner.plan.admission import LeaseAdmission
+from learner.plan.scheduler import Decision, Scheduler, SchedulerConfig
+from learner.tasks import Task
+from learner.train.models import Policy
+from p2p.broadcast import Seeder
+from p2p.host import BadRequest, Misbehaviour
+from p2p.messages import (
+    HEARTBEAT,
+    LEASE,
+    ROLLOUT,
+    SPEC,
+    STATUS,
+    GenerationRequest,
+    Heartbeat,
+    HeartbeatReply,
+    LeaseGrant,
+    LeaseReply,
+    LeaseRequest,
+    ModelSpec,
+    SamplingParams,
+    SpecReply,
+)
+
+log = logging.getLogger(__name__)
+
+
+class LearnerService:
+    """Serves the worker protocols of one run and owns the swarm-side state: versions, workers, leases,
+    the replay buffer, the scheduler. The training loop moves it on with `advance`, `encoding`,
+    `mark_published`, `schedule` and `step_recorded`."""
+
+    def __init__(
+        self, seeder: Seeder, cfg: LearnerConfig, policy: Policy, task: Task, spec: ModelSpec, run_id: str,
+        journal: RolloutJournal, verifier: RolloutVerifier, resumed: JournalState | None = None,
+    ) -> None:  # fmt: skip
+        self.seeder = seeder
+        self.host = host = seeder.host
+        self.cfg = cfg
+        self.spec = spec
+        self.run_id = run_id
+        swarm, grpo = cfg.swarm, cfg.grpo
+        staleness = 0 if swarm.sync_mode == "pull" else swarm.staleness
+        self.buffer = ReplayBuffer(staleness, grpo.dynamic_sampling, grpo.sampling_rounds)
+        self.journal = journal
+        self.verifier = verifier
+        resumed = resumed or JournalState()
+        # group ids go on from the last one leased; groups leased but never returned are leased again
+        self.leases = LeaseTable(swarm.lease_timeout, resumed.next_group)
+        self.leases.requeued.extend(resumed.unreturned())
+        # pull mode uses every worker: each lease there waits for the newest version, which the model does not cover
+        self.autoscale = swarm.autoscale and swarm.sync_mode == "async"
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                rollouts_per_step=grpo.prompts_per_step * grpo.group_size,
+                publish_every=swarm.publish_every,
+                staleness=swarm.staleness,
+                margin=swarm.margin,
+                silence_s=swarm.worker_silence,
+                max_groups_per_lease=swarm.groups_per_lease,
+                lease_timeout_s=swarm.lease_timeout,
+            )
+        )
+        self._sched_lock = threading.Lock()  # handlers run on several threads; the scheduler is not thread-safe
+        self.admission = LeaseAdmission(
+            self.scheduler, swarm.sync_mode, swarm.staleness, swarm.prefetch_batches, self.autoscale
+        )
+        self.versions = PolicyVersions(swarm.publish_every)
+        self.prompts = PromptBook(task, policy, cfg.run.seed)
+        self.intake = RolloutIntake(
+            cfg, spec.vocab_size, self.prompts, self.versions, self.leases, verifier, journal, self.buffer,
+            self.scheduler, self._sched_lock,
+        )  # fmt: skip
+        self.workers: dict[str, WorkerRecord] = {}
+        self._bcast_seen = -1  # newest version whose broadcast time the scheduler has seen
+        self._lock = threading.Lock()
+        self.last_step: dict[str, Any] = {}  # the newest step's metrics (step_recorded)
+        self.started = time.monotonic()
+        host.handle(SPEC, self._on_spec)
+        host.handle(LEASE, self._on_lease)
+        host.handle(ROLLOUT, self._on_rollout, limits=rollout_limits(cfg))
+        host.handle(HEARTBEAT, self._on_heartbeat)
+        host.handle(STATUS, lambda peer, msg: self.status(), guarded=False)  # read-only, open to any peer
+
+    # -- moved on by the training loop ---------------------------------------------------------------
+
+    def advance(self, version: int) -> None:
+        """The learner now holds `version`: leases from now on are measured against it."""
+        self.versions.trained = version
+
+    def encoding(self, version: int) -> None:
+        """`version` is being encoded in the background: workers wait for it rather than lease on an older one."""
+        self.versions.encoding = version
+
+    def mark_published(self, version: int, payload_bytes: int) -> None:
+        self.versions.mark_published(version, payload_bytes)
+
+    def step_recorded(self, record: dict[str, Any]) -> None:
+        self.last_step = record
+
+    def groups_per_batch(self) -> int:
+        """Groups to generate for one batch: prompts_per_step, or with dynamic sampling as many more as
+        the share of groups with signal says (at most sampling_rounds batches' worth)."""
+        grpo = self.cfg.grpo
+        if not grpo.dynamic_sampling:
+            return grpo.prompts_per_step
+        share = max(self.buffer.signal_share, 1 / grpo.sampling_rounds)
+        return math.ceil(grpo.prompts_per_step / share)
+
+    def schedule(self, step: int, train_s: float, step_s: float, trained: bool) -> list[Decision]:
+        """After each step: update the estimates, drop silent workers, re-plan who generates."""
+        now = time.monotonic()
+        bcast = self.versions.bcast_seconds
+        new_bcast = [s for v, s in list(bcast.items()) if v > self._bcast_seen]
+        self._bcast_seen = max(bcast, default=self._bcast_seen)
+        with self._sched_lock:
+            self.scheduler.cfg.rollouts_per_step = self.groups_per_batch() * self.cfg.grpo.group_size
+            self.scheduler.step_done(step, train_s, step_s, trained)
+            for seconds in new_bcast:
+                self.scheduler.broadcast_done(seconds)
+            for peer, seconds in self.leases.drain_expirations():  # nothing delivered: measured as such
+                self.scheduler.lease_expired(peer, seconds)
+            for peer in self.scheduler.drop_silent(now):
+                requeued = self.leases.requeue_worker(peer)
+                log.info("worker %s went silent: %d of its leases go to others", peer[-8:], requeued)
+                with self._lock:
+                    self.workers.pop(peer, None)
+                self.seeder.forget(peer)
+            return self.scheduler.replan() if self.autoscale else []
+
+    def activity(self, peer: str) -> tuple[bool, str]:
+        """Whether the scheduler lets this worker generate, and why."""
+        if not self.autoscale:
+            return True, "autoscale off" if self.cfg.swarm.sync_mode == "async" else "pull mode uses every worker"
+        with self._sched_lock:
+            state = self.scheduler.workers.get(peer)
+            return (state.active, state.reason) if state else (False, "unknown")
+
+    # -- handlers ------------------------------------------------------------------------------------
+
+    def _worker(self, peer: str) -> WorkerRecord:
+        with self._lock:
+            record = self.workers.get(peer)
+            if record is None:
+                record = self.workers[peer] = WorkerRecord(peer)
+            record.last_seen = time.monotonic()
+        with self._sched_lock:
+            self.scheduler.seen(peer, record.last_seen)
+        return record
+
+    def _on_spec(self, peer: str, msg: dict) -> dict:
+        self._worker(peer)
+        return SpecReply(self.run_id, self.spec, self.cfg.grpo.group_size).to_wire()
+
+    def _on_heartbeat(self, peer: str, msg: dict) -> dict:
+        beat = Heartbeat.from_wire(msg)  # bounded types and ranges (MessageError: a penalty)
+        self.versions.check_published(beat.version)
+        worker = self._worker(peer)
+        with self._lock:
+            if beat.version > worker.version:
+                self.versions.first_held(beat.version)
+            worker.version = beat.version
+            worker.price = beat.price
+            worker.tokens_per_s = beat.tokens_per_s
+            worker.hardware = describe_hardware(beat.hardware)
+        with self._sched_lock:
+            self.scheduler.seen(peer, worker.last_seen, worker.price)
+        self._declare_rate(peer, worker.tokens_per_s)
+        return HeartbeatReply(self.versions.published).to_wire()
+
+    def _declare_rate(self, peer: str, tokens_per_s: float) -> None:
+        """Turn a worker's own tokens/s into a declared rollouts/s: the scheduler plans on it until measured."""
+        tokens, groups = self.intake.tokens_accepted, self.buffer.added
+        if tokens_per_s <= 0 or tokens == 0:
+            return
+        rollout_tokens = tokens / (groups * self.cfg.grpo.group_size)
+        rate = tokens_per_s / rollout_tokens
+        lease_s = self.cfg.swarm.groups_per_lease * self.cfg.grpo.group_size / rate
+        with self._sched_lock:
+            self.scheduler.declare(peer, rate, lease_s)
+
+    def _on_lease(self, peer: str, msg: dict) -> dict:
+        request = LeaseRequest.from_wire(msg)
+        if peer in self.verifier.flagged:
+            raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
+        self.versions.check_published(request.version)
+        if request.version < 0:
+            raise BadRequest("a lease needs a policy version: fetch one first")
+        worker = self._worker(peer)
+        with self._lock:
+            worker.version = max(worker.version, request.version)
+        versions, now = self.versions, time.monotonic()
+        batch_groups, buffered, leased = self.groups_per_batch(), len(self.buffer), self.leases.outstanding_groups()
+        with self._sched_lock:
+            admitted = self.admission.admit(
+                peer, request.version, request.max_groups, now, version=versions.trained, encoding=versions.encoding,
+                batch_groups=batch_groups, buffered=buffered, leased=leased,
+            )  # fmt: skip
+        if not admitted.groups:
+            # behind/stale: fetch the newest version first; encoding: it is a second away; full: wait a moment
+            inactive = admitted.refused == "inactive"  # it keeps polling, so it fetches and relays versions
+            return LeaseReply(wait=0.5 if inactive else 0.2, newest=versions.published, inactive=inactive).to_wire()
+        lease = self.leases.issue(peer, admitted.groups, min_version=request.version, timeout_s=admitted.timeout_s)
+        self.journal.issue(lease.group_ids)
+        sampler, group_size = self.cfg.sampler, self.cfg.grpo.group_size
+        grant = LeaseGrant(
+            lease.lease_id,
+            [GenerationRequest(self.prompts[g][1], group_size, g) for g in lease.group_ids],
+            SamplingParams(sampler.temperature, sampler.top_p, sampler.max_new_tokens, seed=lease.lease_id),
+            min_version=request.version,
+            deadline_s=admitted.timeout_s,
+        )
+        return LeaseReply(grant).to_wire()
+
+    def _on_rollout(self, peer: str, msg: dict) -> dict:
+        return self.intake.submit(self._worker(peer), msg).to_wire()
+
+    # -- figures for metrics and status --------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The status document served on /echo/status/1 (schema: docs/status.md)."""
+        swarm, last, verifier = self.cfg.swarm, self.last_step, self.verifier
+        newest = self.versions.published
+        manifest = self.seeder.store.manifests.get(newest)
+        open_leases = self.leases.open_leases()
+        now = time.monotonic()
+        peers = []
+        with self._lock:
+            workers = list(self.workers.values())
+        for w in workers:
+            have = len(self.seeder.peer_have.get(w.peer_id, {}).get(newest, ()))
+            active, reason = self.activity(w.peer_id)
+            addrs = self.seeder.peers.get(w.peer_id, [])
+            peers.append(
+                {
+                    "peer_id": w.peer_id,
+                    "addr": addrs[0] if addrs else None,
+                    "role": "worker",
+                    **w.row(self.versions.trained, now, active),
+                    "activity": reason,
+                    "hardware": w.hardware,
+                    "newest_share": 1.0 if w.version == newest else (have / len(manifest.chunks) if manifest else 0.0),
+                    "open_leases": open_leases.get(w.peer_id, 0),
+                    "stale_dropped": self.buffer.dropped_by_worker.get(w.peer_id, 0),
+                    "verified": verifier.checked.get(w.peer_id, 0),
+                    "flagged": verifier.flagged.get(w.peer_id),
+                }
+            )
+        divergences, misses = verifier.recent()
+        divergences.sort()
+        return {
+            "schema": 1,
+            "run_id": self.run_id,
+            "peer_id": self.host.peer_id,
+            "addrs": self.host.addrs,
+            "step": self.versions.trained,
+            "steps": self.cfg.run.steps,
+            "version_published": newest,
+            "mode": swarm.sync_mode,
+            "staleness": swarm.staleness,
+            "publish_every": swarm.publish_every,
+            "utilisation": last.get("utilisation"),
+            "reward": last.get("reward_mean"),
+            "buffer": self.buffer.held,
+            "set_aside": self.buffer.set_aside,
+            "rollouts_per_s": round(self.buffer.added * self.cfg.grpo.group_size / max(now - self.started, 1e-9), 2),
+            "stale_dropped": self.buffer.dropped_stale,
+            "uptime_s": round(now - self.started, 1),
+            "verification": {
+                "groups_checked": len(divergences),
+                "divergence_median": divergences[len(divergences) // 2] if divergences else None,
+                "divergence_max": divergences[-1] if divergences else None,
+                "draw_miss_max": max(misses, default=None),
+                "tolerance": swarm.verify_tolerance,
+                "draw_tolerance": swarm.verify_draw_tolerance,
+                "flagged": dict(verifier.flagged),
+                "groups_dropped": self.buffer.dropped_flagged,
+            },
+            "penalties": dict(self.host.guard.counts),
+            "banned": self.host.guard.banned_peers(),
+            "peers": peers,
+        }
+
+    def worker_table(self) -> dict[str, dict[str, Any]]:
+        """Each step's per-worker metrics: the status row plus the scheduler's estimates (rollouts/s while
+        leased, seconds per lease; None until measured), keyed by the peer id's last 8 characters."""
+        now = time.monotonic()
+        with self._lock:
+            workers = dict(self.workers)
+        with self._sched_lock:
+            estimates = {peer: (s.rollouts_per_s.value, s.lease_s.value) for peer, s in self.scheduler.workers.items()}
+        table = {}
+        for peer, w in workers.items():
+            rate, lease_s = estimates.get(peer, (None, None))
+            table[peer[-8:]] = {
+                **w.row(self.versions.trained, now, self.activity(peer)[0]),
+                "rollouts_per_s": None if rate is None else round(rate, 3),
+                "lease_s": None if lease_s is None else round(lease_s, 3),
+            }
+        return table

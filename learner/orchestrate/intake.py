@@ -1,0 +1,177 @@
+"""Rollout intake: one submission from the wire to the replay buffer.
+
+    validate (p2p.messages.RolloutSubmission: schema, counts, token ids, lengths, logprob range)
+    -> close the lease (a replay, even a concurrent one, is a duplicate before any work is done)
+    -> check against the lease (its groups in order, a version it may use)
+    -> verify the groups chosen for checking (learner.orchestrate.verify; a mismatch flags the worker)
+    -> score (the task's reward, computed here) -> journal (on disk before "accepted") -> buffer
+
+A refused or failed submission gives its lease's prompt groups back at once. A failure of the learner's
+own (a full disk under the journal) is answered as an internal error, never as the worker's fault (p2p.host).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+
+from learner.config import LearnerConfig
+from learner.orchestrate.journal import RolloutJournal
+from learner.orchestrate.leases import Lease, LeaseError, LeaseTable
+from learner.orchestrate.replay import ReplayBuffer
+from learner.orchestrate.rollouts import Rollout, ScoredGroup, score_groups, step_seed
+from learner.orchestrate.verify import RolloutVerifier
+from learner.orchestrate.versions import PolicyVersions
+from learner.orchestrate.workers import WorkerRecord
+from learner.plan.admission import within_staleness
+from learner.plan.scheduler import Scheduler
+from learner.tasks import Problem, Task
+from learner.train.models import Policy
+from p2p.host import BadRequest, Misbehaviour
+from p2p.messages import MessageError, RolloutReply, RolloutSubmission
+from p2p.wire import FrameLimits
+
+log = logging.getLogger(__name__)
+
+
+class PromptBook:
+    """The prompt of each leased group: chosen by the learner, seeded by (run seed, group id), rendered once
+    and forgotten once the group is scored."""
+
+    def __init__(self, task: Task, policy: Policy, seed: int) -> None:
+        self.task, self.policy, self.seed = task, policy, seed
+        self._problems: dict[int, tuple[Problem, list[int]]] = {}
+        self._lock = threading.Lock()
+
+    def __getitem__(self, group_id: int) -> tuple[Problem, list[int]]:
+        with self._lock:
+            if group_id not in self._problems:
+                problem = self.task.sample(random.Random(step_seed(self.seed, group_id)))
+                self._problems[group_id] = (problem, self.policy.render_prompt(problem.prompt))
+            return self._problems[group_id]
+
+    def forget(self, group_ids: list[int]) -> None:
+        with self._lock:
+            for g in group_ids:
+                self._problems.pop(g, None)
+
+
+class RolloutIntake:
+    """Takes rollout submissions (docstring of this module); thread-safe, called from handler threads."""
+
+    def __init__(
+        self, cfg: LearnerConfig, vocab_size: int, prompts: PromptBook, versions: PolicyVersions, leases: LeaseTable,
+        verifier: RolloutVerifier, journal: RolloutJournal, buffer: ReplayBuffer, scheduler: Scheduler,
+        scheduler_lock: threading.Lock,
+    ) -> None:  # fmt: skip
+        self.cfg, self.vocab_size, self.prompts, self.versions = cfg, vocab_size, prompts, versions
+        self.leases, self.verifier, self.journal, self.buffer = leases, verifier, journal, buffer
+        self.scheduler, self._sched_lock = scheduler, scheduler_lock
+        self.tokens_accepted = 0  # completion tokens of all accepted rollouts: mean length turns tokens/s to rollouts/s
+        self._lock = threading.Lock()
+
+    def submit(self, worker: WorkerRecord, msg: dict) -> RolloutReply:
+        arrived = time.monotonic()  # the worker's lease time ends here, not after our own checks
+        peer, cfg = worker.peer_id, self.cfg
+        try:
+            submission = RolloutSubmission.from_wire(
+                msg, cfg.grpo.group_size, cfg.sampler.max_new_tokens, self.vocab_size
+            )
+        except MessageError:
+            worker.refused += 1
+            self._give_back(peer, msg.get("lease"))  # junk must not hold prompt groups until the lease times out
+            raise
+        if peer in self.verifier.flagged:
+            raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
+        try:  # closing the lease first makes a replay, even a concurrent one, a duplicate before any work
+            lease = self.leases.complete(submission.lease, peer)
+        except LeaseError as exc:  # a replay or someone else's lease is an offence; a late one is not
+            worker.refused += 1
+            raise (Misbehaviour if exc.reason in ("duplicate", "not_owner") else BadRequest)(str(exc)) from None
+        try:
+            return self._take(worker, lease, submission, arrived)
+        except BaseException as exc:  # refused, or our own failure (a full disk): its prompts go out again
+            if isinstance(exc, BadRequest):
+                worker.refused += 1
+            self.leases.release(lease)
+            raise
+
+    def _take(self, worker: WorkerRecord, lease: Lease, submission: RolloutSubmission, arrived: float) -> RolloutReply:
+        """Check, verify, score, journal and buffer a submission whose lease is closed."""
+        peer = worker.peer_id
+        self._check_against_lease(lease, submission)
+        verified = self._verify(peer, lease.lease_id, submission)
+        version = submission.version
+        problems = [self.prompts[g] for g in lease.group_ids]
+        scored = score_groups(
+            self.prompts.task, self.prompts.policy, [p for p, _ in problems], [ids for _, ids in problems],
+            [g.completions for g in submission.groups], version,
+        )  # fmt: skip
+        groups = [ScoredGroup(g, version, peer, rollouts) for g, rollouts in zip(lease.group_ids, scored, strict=True)]
+        self.journal.accept(groups)  # on disk before the worker hears "accepted" (learner.orchestrate.journal)
+        self.prompts.forget(lease.group_ids)  # a group is scored once: its prompt need not be kept any more
+        for group in groups:
+            self.buffer.add(group)
+        self.verifier.accepted(peer, verified)  # only accepted work counts as verified
+        fresh = within_staleness(self.versions.trained, version, self.buffer.staleness)
+        with self._sched_lock:  # verification (a second or two per checked group) is not the worker's time
+            self.scheduler.lease_done(peer, arrived, arrived - lease.issued_at, sum(len(g) for g in scored))
+            for _ in scored:
+                self.scheduler.group_arrived(peer, fresh=fresh)
+        with self._lock:
+            worker.groups_accepted += len(scored)
+            self.tokens_accepted += sum(len(r.completion_ids) for g in scored for r in g)
+        return RolloutReply(len(scored))
+
+    def _give_back(self, peer: str, lease_id: object) -> None:
+        """Release the live lease `lease_id` of `peer`, if it is one, so that its groups go to others now."""
+        lease = self.leases.get(lease_id) if isinstance(lease_id, int) else None
+        if lease is not None and lease.worker == peer:
+            try:
+                self.leases.release(self.leases.complete(lease.lease_id, peer))
+            except LeaseError:  # closed meanwhile (expired, or a concurrent submission)
+                pass
+
+    def _check_against_lease(self, lease: Lease, submission: RolloutSubmission) -> None:
+        """What the wire schema cannot know: the lease's groups in order, a version it may use."""
+        newest = self.versions.published
+        if not lease.min_version <= submission.version <= newest:
+            raise BadRequest(f"version {submission.version} is outside [{lease.min_version}, {newest}]")
+        if [g.group for g in submission.groups] != lease.group_ids:
+            raise Misbehaviour(f"the lease's groups are {lease.group_ids}, in that order")
+
+    def _verify(self, peer: str, lease_id: int, submission: RolloutSubmission) -> int:
+        """Replay the sampling of the groups chosen for checking (learner.orchestrate.verify); returns how many
+        were checked. On a mismatch flag the worker and drop its groups from the buffer (and the journal)."""
+        checked = 0
+        for group in submission.groups:
+            if not self.verifier.wants(peer):
+                continue
+            prompt = self.prompts[group.group][1]
+            rollouts = [Rollout(prompt, c.tokens, c.logprobs, 0.0, 0.0, submission.version) for c in group.completions]
+            # None: the claimed version left the window of kept weights, so the group is too stale to train on
+            if self.verifier.check(peer, submission.version, lease_id, group.group, rollouts) is not None:
+                checked += 1
+            if peer in self.verifier.flagged:
+                self.leases.requeue_worker(peer)  # none of its leases will be accepted any more
+                dropped = self.buffer.drop_worker(peer)
+                self.journal.drop([g.group_id for g in dropped])
+                log.warning(
+                    "worker %s flagged: %s; %d of its groups dropped from the buffer",
+                    peer[-8:], self.verifier.flagged[peer], len(dropped),
+                )  # fmt: skip
+                raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
+        return checked
+
+
+def rollout_limits(cfg: LearnerConfig) -> FrameLimits:
+    """What one rollout submission may hold: a lease's groups of G completions of at most max_new_tokens
+    tokens, at most 16 bytes of msgpack per token (an int and a float64) plus framing; twice that, as slack."""
+    grpo, tokens = cfg.grpo, cfg.sampler.max_new_tokens
+    size = cfg.swarm.groups_per_lease * grpo.group_size * (16 * tokens + 64) + 4096
+    return FrameLimits(
+        max_bytes=2 * size, max_array=max(tokens, grpo.group_size, cfg.swarm.groups_per_lease, 16),
+        max_map=16, max_str=64, max_bin=0,
+    )  # fmt: skip

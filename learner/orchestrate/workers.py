@@ -1,0 +1,43 @@
+"""What the learner knows about each worker, and the one row per worker that status and metrics show."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class WorkerRecord:
+    """One worker as the learner sees it: what it declared (checked) and what it delivered."""
+
+    peer_id: str
+    price: float = 0.0
+    version: int = -1  # newest version it reported holding
+    tokens_per_s: float = 0.0  # its own measurement, from heartbeats
+    last_seen: float = field(default_factory=time.monotonic)
+    groups_accepted: int = 0
+    refused: int = 0
+    hardware: str = ""  # what it declared it runs on, e.g. "llamacpp, 2 threads, x86_64 (8 cores)"
+
+    def row(self, learner_version: int, now: float, active: bool) -> dict[str, Any]:
+        """The fields both the status document (docs/status.md) and each step's metrics show."""
+        return {
+            "active": active,
+            "price": self.price,
+            "version": self.version,
+            "version_lag": learner_version - self.version if self.version >= 0 else None,
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "groups_accepted": self.groups_accepted,
+            "refused": self.refused,
+            "last_seen_s": round(now - self.last_seen, 1),
+        }
+
+
+def describe_hardware(hardware: dict) -> str:
+    """One bounded line from a worker's declared hardware (untrusted input: only known keys, short values)."""
+    engine, machine = str(hardware.get("engine", "?"))[:16], str(hardware.get("machine", "?"))[:16]
+    threads, cores = hardware.get("threads"), hardware.get("cores")
+    threads = threads if isinstance(threads, int) and 0 < threads < 10_000 else "?"
+    cores = cores if isinstance(cores, int) and 0 < cores < 10_000 else "?"
+    return f"{engine}, {threads} threads, {machine} ({cores} cores)"
