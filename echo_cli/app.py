@@ -8,10 +8,12 @@ import os
 import sys
 from pathlib import Path
 
+import click
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
+from typer.core import TyperGroup
 
 from echo_cli.config import load_config, with_config_flags
 from echo_cli.live import show_learner, show_worker
@@ -19,8 +21,22 @@ from learner.config import LearnerConfig
 from p2p.config import ConfigError
 from worker.config import WorkerRootConfig
 
+
+class CommandsInOrder(TyperGroup):
+    """`echo-rl --help` lists commands in the order a user meets them, not alphabetically."""
+
+    ORDER = ("learner", "worker", "status", "report", "plan", "simulate", "bench", "secret")
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        names = super().list_commands(ctx)
+        return sorted(names, key=lambda n: self.ORDER.index(n) if n in self.ORDER else len(self.ORDER))
+
+
 app = typer.Typer(
-    no_args_is_help=True, add_completion=False, help="Distributed GRPO post-training with a rollout swarm."
+    cls=CommandsInOrder,
+    no_args_is_help=True,
+    add_completion=False,
+    help="Distributed GRPO post-training with a rollout swarm.",
 )
 learner_app = typer.Typer(no_args_is_help=True, help="The training node.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print measured figures.")
@@ -73,7 +89,7 @@ def user_errors() -> tuple[type[Exception], ...]:
 def learner_start(
     overrides: dict,
     config: Path | None = typer.Option(
-        None, "--config", help="TOML file with [run] [model] [task] [grpo] [sampler] tables."
+        None, "--config", help=r"TOML file with \[run] \[model] \[task] \[grpo] \[sampler] \[swarm] tables."
     ),
     colocated: bool = typer.Option(False, "--colocated", help="Generate, train and reload in this one process."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its newest checkpoint."),
@@ -113,7 +129,7 @@ def learner_start(
 @with_config_flags(WorkerRootConfig)
 def worker_join(
     overrides: dict,
-    config: Path | None = typer.Option(None, "--config", help="TOML file with a [worker] table."),
+    config: Path | None = typer.Option(None, "--config", help=r"TOML file with a \[worker] table."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
 ) -> None:
     """Join a learner's swarm: fetch policy versions, generate rollouts, push them back."""
@@ -188,7 +204,7 @@ def plan_command(
     publish_every: int = typer.Option(1, "--publish-every", help="kappa: steps between published versions."),
     staleness: int = typer.Option(2, "--staleness", help="S: the staleness bound."),
     bcast_s: float = typer.Option(..., "--bcast-s", help="T_bcast: seconds until a worker holds a new version."),
-    workers: Path = typer.Option(..., "--workers", help="TOML file of [[workers]] tables."),
+    workers: Path = typer.Option(..., "--workers", help=r"TOML file of \[\[workers]] tables."),
     margin: float = typer.Option(0.1, "--margin", help="Provision this fraction above the demand."),
     json_out: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
 ) -> None:
@@ -207,7 +223,7 @@ def plan_command(
 def simulate_command(
     workers: int = typer.Option(100, "--workers", help="Simulated workers, split among the profile's classes."),
     profile: Path | None = typer.Option(
-        None, "--profile", help="TOML: [learner] and [[workers]] classes (default: the local SmolLM2 swarm)."
+        None, "--profile", help=r"TOML: \[learner] and \[\[workers]] classes (default: the local SmolLM2 swarm)."
     ),
     steps: int = typer.Option(200, "--steps", help="Learner steps to simulate."),
     seed: int = typer.Option(0, "--seed", help="Seed of jitter and preemptions: equal seeds, equal results."),

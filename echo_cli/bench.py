@@ -23,7 +23,8 @@ def run_sampler_bench(
     import llama_cpp
 
     from learner.tasks import make_task
-    from learner.train.models import export_tensors, load_policy, model_spec
+    from learner.train.models import load_policy, model_spec
+    from learner.train.wire_weights import wire_tensors
     from p2p.messages import GenerationRequest, SamplingParams
     from worker.engines.llamacpp import LlamaCppEngine
 
@@ -34,7 +35,7 @@ def run_sampler_bench(
 
     work = tempfile.mkdtemp(prefix="echo-bench-")
     ours = LlamaCppEngine(work, threads=threads, max_batch=max_batch)
-    ours.load_policy(model_spec(policy), export_tensors(policy.model))
+    ours.load_policy(model_spec(policy), wire_tensors(policy.model))
     gguf_path = f"{work}/policy.gguf"
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=0)
     requests = [GenerationRequest(p, group_size, k) for k, p in enumerate(prompt_ids)]
@@ -111,17 +112,17 @@ def run_codec_bench(model: str, lrs: list[float], steps: int, cache_dir: str, js
     from learner.config import GRPOConfig
     from learner.orchestrate.rollouts import score_groups
     from learner.tasks import make_task
-    from learner.train.models import export_tensors, load_policy, model_spec
+    from learner.train.models import load_policy, model_spec
     from learner.train.trainer import GRPOTrainer
-    from p2p.codec import bf16_bits
+    from learner.train.wire_weights import wire_dtypes, wire_tensors
     from p2p.messages import GenerationRequest, SamplingParams
     from p2p.versions import build_version, rebuild_raw
     from worker.engines.llamacpp import LlamaCppEngine
 
     def bf16_version(policy, version, base):
-        tensors = {k: bf16_bits(v) for k, v in export_tensors(policy.model).items()}
+        tensors = wire_tensors(policy.model, "bf16")  # what the publisher sends with --wire-dtype bf16
         t = time.perf_counter()
-        pv, raw = build_version("codec-bench", version, tensors, dict.fromkeys(tensors, "bf16"), base=base)
+        pv, raw = build_version("codec-bench", version, tensors, wire_dtypes(tensors), base=base)
         encode_s = time.perf_counter() - t
         t = time.perf_counter()
         rebuild_raw(pv.manifest, pv.chunks, base[1] if base else None)
@@ -138,7 +139,7 @@ def run_codec_bench(model: str, lrs: list[float], steps: int, cache_dir: str, js
         previous = raw0
         rng = random.Random(0)
         for step in range(1, steps + 1):
-            engine.load_policy(spec, export_tensors(policy.model))
+            engine.load_policy(spec, wire_tensors(policy.model))
             problems = [task.sample(rng) for _ in range(4)]
             prompts = [policy.render_prompt(p.prompt) for p in problems]
             requests = [GenerationRequest(p, 8, k) for k, p in enumerate(prompts)]
@@ -201,12 +202,13 @@ def run_verify_bench(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from learner.orchestrate.publisher import wire_tensors
     from learner.orchestrate.rollouts import Rollout
-    from learner.orchestrate.verify import RolloutVerifier, merged_weights, replay_sampling, to_float
+    from learner.orchestrate.verify import RolloutVerifier, merged_weights, replay_sampling
     from learner.tasks import make_task
     from learner.train.models import load_policy, model_spec
+    from learner.train.wire_weights import wire_tensors
     from p2p.messages import GenerationRequest, SamplingParams
+    from p2p.weights import to_float32
     from worker.engines.llamacpp import LlamaCppEngine
 
     policy = load_policy(model, cache_dir)
@@ -229,7 +231,7 @@ def run_verify_bench(
 
     def sample(weights: dict, temperature: float, seed: int) -> list[list]:
         engine = LlamaCppEngine(tempfile.mkdtemp(prefix="echo-verify-"), threads=threads, max_batch=32)
-        engine.load_policy(spec, {n: to_float(a).numpy() for n, a in weights.items()})
+        engine.load_policy(spec, {n: to_float32(a) for n, a in weights.items()})
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
         groups = engine.generate([GenerationRequest(p, group_size, k) for k, p in enumerate(prompt_ids)], params)
         engine.close()

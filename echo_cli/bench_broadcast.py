@@ -1,4 +1,4 @@
-"""Broadcast benchmark: a learner and N peers as separate processes on 127.0.0.1 with capped bandwidth.
+"""`echo-rl bench broadcast`: a learner and N peers as separate processes on 127.0.0.1 with capped bandwidth.
 
 The orchestrator (`run_broadcast_bench`) starts every node as `python -m echo_cli.bench_broadcast node ...`, waits
 until all listen, tells all peers to start at once, and reports the seconds until the last peer holds
@@ -38,17 +38,17 @@ def node_main(argv: list[str]) -> None:
     import logging
 
     import numpy as np
-    from libp2p.crypto.ed25519 import Ed25519PrivateKey
 
     from p2p.broadcast import BroadcastPeer, ChunkStore, Seeder
     from p2p.host import Host, HostConfig
+    from p2p.identity import new_identity
     from p2p.versions import build_version, rebuild_raw
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     config = HostConfig(
         upload_bps=args.up * MBIT if args.up else None, download_bps=args.down * MBIT if args.down else None
     )
-    key = Ed25519PrivateKey.new()
+    key = new_identity()
     host = Host(key, config).start()
     say = lambda **kw: print(json.dumps(kw), flush=True)  # noqa: E731
     if args.role == "seeder":

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 
 from p2p.config import ConfigError, read_toml
 
@@ -138,6 +139,10 @@ def parse_key_values(items: list[str], flag: str) -> dict[str, Any]:
     return out
 
 
+# typed metavars, but values parsed by _coerce: a bad value is our one-line error naming the config field
+METAVARS: dict[Any, tuple[str, Any]] = {int: ("INTEGER", str | None), float: ("FLOAT", str | None)}
+
+
 def with_config_flags(root_cls: type) -> Callable[[Callable], Callable]:
     """Decorate a typer command so it also takes one option per config field, passed as `overrides`.
 
@@ -150,19 +155,24 @@ def with_config_flags(root_cls: type) -> Callable[[Callable], Callable]:
         extra = []
         names = []
         for table, cls in sections(root_cls).items():
-            docs = field_docs(cls)
+            docs, defaults = field_docs(cls), cls()
             for name, hint in typing.get_type_hints(cls).items():
                 flag = "--" + name.replace("_", "-")
-                panel = f"[{table}]"
+                panel = escape(f"[{table}] table")  # rich reads an unescaped [run] as markup and drops it
+                doc = escape(docs.get(name, ""))
+                value = getattr(defaults, name)
+                default = escape(f" [default: {str(value).lower() if isinstance(value, bool) else value}]")
                 if hint is bool:
-                    option = typer.Option(None, f"{flag}/--no-{flag[2:]}", help=docs.get(name), rich_help_panel=panel)
+                    option = typer.Option(None, f"{flag}/--no-{flag[2:]}", help=doc + default, rich_help_panel=panel)
                     annotation: Any = bool | None
                 elif hint is dict or typing.get_origin(hint) is dict:
-                    option = typer.Option(None, flag, help=docs.get(name) + " (repeatable)", rich_help_panel=panel)
+                    option = typer.Option(None, flag, help=doc + " (repeatable)", rich_help_panel=panel)
                     annotation = list[str] | None
                 else:
-                    option = typer.Option(None, flag, help=docs.get(name), rich_help_panel=panel)
-                    annotation = str | None
+                    metavar, annotation = METAVARS.get(hint, ("TEXT", str | None))
+                    if typing.get_origin(hint) is typing.Literal:
+                        metavar = "|".join(map(str, typing.get_args(hint)))
+                    option = typer.Option(None, flag, help=doc + default, metavar=metavar, rich_help_panel=panel)
                 extra.append(
                     inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
                 )

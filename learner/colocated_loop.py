@@ -16,7 +16,8 @@ import numpy as np
 from learner.config import LearnerConfig
 from learner.orchestrate.rollouts import Rollout, has_signal, score_groups, step_seed
 from learner.run import batch_metrics, open_run
-from learner.train.models import export_tensors, model_spec
+from learner.train.models import model_spec
+from learner.train.wire_weights import wire_tensors
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams
 
 
@@ -35,7 +36,7 @@ def train_colocated(cfg: LearnerConfig, engine: Sampler, resume: bool = False) -
     run = open_run(cfg, resume)
     policy, task, trainer = run.policy, run.task, run.trainer
     spec = model_spec(policy)
-    engine.load_policy(spec, export_tensors(policy.model))
+    engine.load_policy(spec, wire_tensors(policy.model))
     t_run = time.perf_counter() - run.wall_offset
     for step in range(run.start_step + 1, cfg.run.steps + 1):
         seconds: dict[str, float] = {}
@@ -75,9 +76,9 @@ def train_colocated(cfg: LearnerConfig, engine: Sampler, resume: bool = False) -
 
         # 5. hand the new weights to the sampler (LoRA: only the adapters, hot-swapped on the base)
         if stats["trained_tokens"] and cfg.model.lora_rank:
-            engine.load_adapters(spec, export_tensors(policy.model, adapter_only=True))
+            engine.load_adapters(spec, wire_tensors(policy.model, adapter_only=True))
         elif stats["trained_tokens"]:
-            engine.load_policy(spec, export_tensors(policy.model))
+            engine.load_policy(spec, wire_tensors(policy.model))
         seconds["export"] = time.perf_counter() - tick
 
         record = {

@@ -34,7 +34,8 @@ from learner.train.data_parallel import full_state, init_world, leave
 from learner.train.models import model_spec
 from p2p.auth import AUTH, SwarmAuth, read_allow_list, read_secret
 from p2p.broadcast import ChunkStore, Seeder
-from p2p.host import Host, HostConfig, load_identity
+from p2p.host import Host, HostConfig
+from p2p.identity import load_identity
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,11 @@
 """A libp2p host in its own thread, with a blocking API for ordinary threads.
 
-This is the only module that imports trio or libp2p. The host speaks TCP with Noise (nothing else:
-no plaintext, no secio, no TLS fallback) and yamux; identify and ping stay on so that other libp2p
-implementations can talk to it. Requests are one frame each way on a fresh stream (see p2p.wire).
+Long because the trio side of a request (framing, limits, decoding off the loop, penalties, replies)
+is one path, read top to bottom. With p2p.identity and p2p.guard it is where libp2p and trio are used.
+
+The host speaks TCP with Noise (nothing else: no plaintext, no secio, no TLS fallback) and yamux;
+identify and ping stay on so that other libp2p implementations can talk to it. Requests are one frame
+each way on a fresh stream (see p2p.wire).
 
 Handlers are plain functions `handler(peer_id, message) -> reply` run in worker threads. A handler
 that raises `BadRequest` sends the peer an error reply; any other exception is this host's own failure:
@@ -22,12 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import multiaddr
@@ -42,6 +42,8 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
+from p2p.guard import PeerGuard, TokenBucket
+from p2p.identity import peer_id_of
 from p2p.messages import MessageError
 from p2p.wire import (
     DEFAULT_MAX_FRAME,
@@ -83,73 +85,6 @@ class Misbehaviour(BadRequest):
     """A refusal that also counts as a penalty against the peer (malformed or forged input, replays)."""
 
 
-class IdentityError(ValueError):
-    """An identity file that cannot be used."""
-
-
-def load_identity(path: str | Path) -> Ed25519PrivateKey:
-    """Load the ed25519 key in `path`, or create it (mode 0600) if the file does not exist."""
-    path = Path(path).expanduser()
-    if path.exists():
-        data = path.read_bytes()
-        try:
-            return Ed25519PrivateKey.from_bytes(data)
-        except Exception:  # noqa: BLE001 - any decoding failure means the same thing to the user
-            raise IdentityError(
-                f"identity file {path} is not an ed25519 key ({len(data)} bytes); move it away to create a new one"
-            ) from None
-    key = Ed25519PrivateKey.new()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key.to_bytes())
-    os.replace(tmp, path)
-    return key
-
-
-def peer_id_of(key: Ed25519PrivateKey) -> str:
-    return ID.from_pubkey(key.get_public_key()).to_base58()
-
-
-def verify_signature(peer_id: str, data: bytes, signature: bytes) -> bool:
-    """True if `signature` over `data` was made by the key behind `peer_id` (an ed25519 peer id)."""
-    try:
-        public_key = ID.from_base58(peer_id).extract_public_key()
-        return public_key is not None and public_key.verify(data, signature)
-    except Exception:  # noqa: BLE001 - a malformed id or signature is simply not valid
-        return False
-
-
-class TokenBucket:
-    """Caps a byte rate: `take(n)` waits until n bytes fit. Pieces of 16 KiB under a FIFO lock, so
-    concurrent streams share the rate fairly."""
-
-    PIECE = 16 * 1024
-
-    def __init__(self, bytes_per_s: float) -> None:
-        self.rate = bytes_per_s
-        self.tokens = float(self.PIECE)
-        self.stamp = trio.current_time()
-        self.lock = trio.Lock()
-
-    async def take(self, n: int) -> None:
-        while n > 0:
-            piece = min(n, self.PIECE)
-            async with self.lock:
-                self._refill()
-                if self.tokens < piece:
-                    await trio.sleep((piece - self.tokens) / self.rate)
-                    self._refill()  # counts the whole sleep, oversleeping included, so no rate is lost
-                self.tokens -= piece
-            n -= piece
-
-    def _refill(self) -> None:
-        now = trio.current_time()
-        self.tokens = min(self.tokens + (now - self.stamp) * self.rate, 4 * self.PIECE)
-        self.stamp = now
-
-
 @dataclass
 class HostConfig:
     """How a host listens and what it allows itself."""
@@ -176,53 +111,6 @@ class HostConfig:
     """How long a ban lasts."""
 
 
-class PeerGuard:
-    """Penalties and temporary bans by peer id.
-
-    A peer is banned at time t for ban_seconds when it has ban_after penalties in (t - ban_window, t].
-    Memory is bounded: only peers with recent penalties or a live ban are remembered.
-    """
-
-    def __init__(self, ban_after: int, ban_window: float, ban_seconds: float) -> None:
-        self.ban_after, self.ban_window, self.ban_seconds = ban_after, ban_window, ban_seconds
-        self._penalties: dict[str, list[float]] = {}
-        self._banned_until: dict[str, float] = {}
-        self.counts: dict[str, int] = {}  # reason -> penalties given, for status and tests
-        self.bans = 0
-        self._lock = threading.Lock()
-
-    def penalise(self, peer: str, reason: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            self.counts[reason] = self.counts.get(reason, 0) + 1
-            recent = [t for t in self._penalties.get(peer, []) if t > now - self.ban_window] + [now]
-            self._penalties[peer] = recent
-            if len(recent) >= self.ban_after and not self._banned_locked(peer, now):
-                self._banned_until[peer] = now + self.ban_seconds
-                self.bans += 1
-                log.warning("peer %s banned for %.0fs after %d penalties (last: %s)", peer[-8:], self.ban_seconds,
-                            len(recent), reason)  # fmt: skip
-            if len(self._penalties) > 10_000:  # forget peers whose penalties are old
-                for p in [p for p, ts in self._penalties.items() if ts[-1] <= now - self.ban_window]:
-                    del self._penalties[p]
-
-    def banned(self, peer: str) -> bool:
-        with self._lock:
-            return self._banned_locked(peer, time.monotonic())
-
-    def _banned_locked(self, peer: str, now: float) -> bool:
-        until = self._banned_until.get(peer)
-        if until is not None and until <= now:
-            del self._banned_until[peer]
-            until = None
-        return until is not None
-
-    def banned_peers(self) -> list[str]:
-        now = time.monotonic()
-        with self._lock:
-            return [p for p in list(self._banned_until) if self._banned_locked(p, now)]
-
-
 class Host:
     """A libp2p host running in a background thread; every public method is safe from any other thread."""
 
@@ -231,13 +119,11 @@ class Host:
         self.config = config or HostConfig()
         self.peer_id = peer_id_of(self.key)
         self.addrs: list[str] = []
-        self._subscribers: dict[str, list[Callable[[str, bytes], None]]] = {}
         self._token: trio.lowlevel.TrioToken | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._thread_main, name=f"p2p-{self.peer_id[-6:]}", daemon=True)
         self._host: Any = None
-        self._pubsub: Any = None
         self._stop: trio.Event | None = None
         self.guard = PeerGuard(self.config.ban_after, self.config.ban_window, self.config.ban_seconds)
         self.gate: Callable[[str], bool] | None = None  # set: only peers it accepts reach guarded protocols
@@ -278,11 +164,6 @@ class Host:
                 log.exception("libp2p host %s stopped", self.peer_id)
 
     async def _main(self) -> None:
-        from libp2p.pubsub.gossipsub import PROTOCOL_ID as GOSSIPSUB_ID
-        from libp2p.pubsub.gossipsub import GossipSub
-        from libp2p.pubsub.pubsub import Pubsub
-        from libp2p.tools.anyio_service.context import background_trio_service
-
         key_pair = KeyPair(self.key, self.key.get_public_key())
         noise = NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)
         listen = [multiaddr.Multiaddr(a) for a in self.config.listen]
@@ -297,19 +178,14 @@ class Host:
         self._up = TokenBucket(self.config.upload_bps) if self.config.upload_bps else None
         self._down = TokenBucket(self.config.download_bps) if self.config.download_bps else None
         self._decoders = trio.CapacityLimiter(4)  # threads decoding requests at once
-        gossipsub = GossipSub(protocols=[GOSSIPSUB_ID], degree=6, degree_low=4, degree_high=12, heartbeat_interval=1)
-        pubsub = Pubsub(host, gossipsub, strict_signing=True)
         async with host.run(listen_addrs=listen):
-            async with background_trio_service(pubsub), background_trio_service(gossipsub):
-                await pubsub.wait_until_ready()
-                self._pubsub = pubsub
-                async with trio.open_nursery() as nursery:
-                    self._nursery = nursery
-                    self._token = trio.lowlevel.current_trio_token()
-                    self.addrs = [f"{a}" if "/p2p/" in str(a) else f"{a}/p2p/{self.peer_id}" for a in host.get_addrs()]
-                    self._ready.set()
-                    await self._stop.wait()
-                    nursery.cancel_scope.cancel()
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._token = trio.lowlevel.current_trio_token()
+                self.addrs = [f"{a}" if "/p2p/" in str(a) else f"{a}/p2p/{self.peer_id}" for a in host.get_addrs()]
+                self._ready.set()
+                await self._stop.wait()
+                nursery.cancel_scope.cancel()
 
     # -- calls into the trio thread ---------------------------------------------------------------
 
@@ -466,31 +342,6 @@ class Host:
         if self._token is None:
             raise PeerUnavailable("host is not running")
         return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
-
-    # -- announcements ------------------------------------------------------------------------------
-
-    def publish(self, topic: str, data: bytes) -> None:
-        """Announce `data` (small: GossipSub drops silently under load, so receivers must pull on a miss)."""
-        self._run(self._pubsub.publish, topic, data)
-
-    def subscribe(self, topic: str, callback: Callable[[str, bytes], None]) -> None:
-        """Call `callback(sender_peer_id, data)` in a worker thread for every message on `topic`."""
-
-        async def subscribe_and_listen() -> None:
-            subscription = await self._pubsub.subscribe(topic)
-
-            async def listen() -> None:
-                while True:
-                    msg = await subscription.get()
-                    sender = ID(msg.from_id).to_base58()
-                    try:
-                        await trio.to_thread.run_sync(callback, sender, bytes(msg.data))
-                    except Exception:  # noqa: BLE001
-                        log.exception("subscriber of %s failed", topic)
-
-            self._nursery.start_soon(listen)
-
-        self._run(subscribe_and_listen)
 
     # -- frames with bandwidth caps -------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 
 from p2p.codec import TensorEntry
-from p2p.host import verify_signature
+from p2p.identity import verify_signature
 
 CODECS = ("full-zstd", "xor-zstd")
 

@@ -28,8 +28,9 @@ from learner.orchestrate.publisher import Publisher
 from learner.orchestrate.rollouts import score_groups
 from learner.tasks import make_task
 from learner.train.lora import add_lora
-from learner.train.models import export_tensors, load_policy, model_spec
+from learner.train.models import load_policy, model_spec
 from learner.train.trainer import GRPOTrainer
+from learner.train.wire_weights import wire_tensors
 from p2p.messages import GenerationRequest, SamplingParams
 from p2p.versions import build_version, rebuild_raw, tensors_of
 from worker.engines.llamacpp import LlamaCppEngine
@@ -46,9 +47,9 @@ def train(policy, engine, steps: int, lr: float, lora: bool) -> None:
         groups = engine.generate(requests, SamplingParams(1.0, 1.0, 48, step))
         trainer.step([r for g in score_groups(task, policy, problems, prompts, groups, step - 1) for r in g])
         if lora:
-            engine.load_adapters(spec, export_tensors(policy.model, adapter_only=True))
+            engine.load_adapters(spec, wire_tensors(policy.model, adapter_only=True))
         else:
-            engine.load_policy(spec, export_tensors(policy.model))
+            engine.load_policy(spec, wire_tensors(policy.model))
 
 
 def floats(manifest, raw) -> dict[str, np.ndarray]:
@@ -71,9 +72,9 @@ def main() -> None:
     # full fine-tuning: publish v(steps-1) then v(steps) as a delta, as the learner does every step
     policy = load_policy(args.model, cache)
     spec = model_spec(policy)
-    result["bf16_checkpoint_bytes"] = sum(a.size * 2 for a in export_tensors(policy.model).values())
+    result["bf16_checkpoint_bytes"] = sum(a.size * 2 for a in wire_tensors(policy.model).values())
     engine = LlamaCppEngine(tempfile.mkdtemp(prefix="echo-lora-"), threads=2, max_batch=32)
-    engine.load_policy(spec, export_tensors(policy.model))
+    engine.load_policy(spec, wire_tensors(policy.model))
     publisher = Publisher(seeder=None, run_id="bench", full_every=10, dtype="f16")
     train(policy, engine, args.steps - 1, 1e-5, lora=False)
     before = publisher.snapshot(policy.model)
@@ -95,7 +96,7 @@ def main() -> None:
     policy.lora_rank, policy.lora_alpha = args.rank, args.alpha
     spec = model_spec(policy)
     engine = LlamaCppEngine(tempfile.mkdtemp(prefix="echo-lora-"), threads=2, max_batch=32)
-    engine.load_policy(spec, export_tensors(policy.model))
+    engine.load_policy(spec, wire_tensors(policy.model))
     train(policy, engine, args.steps, 2e-4, lora=True)
     publisher = Publisher(seeder=None, run_id="bench", full_every=10, dtype="f16", lora=True)
     publisher.base = 0  # as after the run's first (full) publication

@@ -15,9 +15,11 @@ def tiny():
     return tiny_policy(seed=0)
 
 
-def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, timeout: float = 300, cwd: Path | None = None, columns: int | None = None
+) -> subprocess.CompletedProcess:
     """Run `echo-rl ARGS` as a real subprocess (python -m echo_cli) and capture its output."""
-    env = dict(os.environ)
+    env = dict(os.environ) | ({"COLUMNS": str(columns)} if columns else {})
     return subprocess.run(
         [sys.executable, "-m", "echo_cli", *args],
         capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT, env=env,

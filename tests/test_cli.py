@@ -1,5 +1,6 @@
 """`echo-rl` as a user runs it: real subprocesses, tiny model, real llama.cpp."""
 
+import dataclasses
 import json
 
 import pytest
@@ -135,3 +136,33 @@ def test_a_checkpoint_that_cannot_be_written_stops_with_one_line(tmp_path):
     lines = [ln for ln in res.stderr.strip().splitlines() if "error:" in ln]
     assert res.returncode == 2 and len(lines) == 1 and "could not write checkpoint" in lines[0], res.stderr
     assert "--resume" in lines[0] and len(metrics(run)) == 1  # the step's metrics were kept
+
+
+def test_help_shows_tables_types_and_defaults():
+    """`learner start --help` and `worker join --help` show every config table as a panel, each option's
+    type and its default (rich must not eat `[run]` as markup), and `echo-rl --help` lists the commands in
+    the order a user meets them."""
+    from echo_cli.config import sections
+    from learner.config import LearnerConfig
+    from worker.config import WorkerRootConfig
+
+    for command, root in ((["learner", "start"], LearnerConfig), (["worker", "join"], WorkerRootConfig)):
+        res = run_cli(*command, "--help", columns=200)
+        assert res.returncode == 0, res.stderr
+        for table, cls in sections(root).items():
+            assert f"[{table}] table" in res.stdout, table
+            assert "[" + table + "]" in next(ln for ln in res.stdout.splitlines() if "--config" in ln)
+            defaults = cls()
+            for field in dataclasses.fields(cls):
+                if field.type in ("int", "float"):  # each one's line names its type and its default
+                    flag = "--" + field.name.replace("_", "-")
+                    line = next(ln for ln in res.stdout.splitlines() if f" {flag} " in ln)
+                    assert field.type.upper().replace("INT", "INTEGER") in line, line
+                    tail = res.stdout[res.stdout.index(f" {flag} ") :]
+                    assert f"[default: {getattr(defaults, field.name)}]" in " ".join(tail.split())[:400], flag
+    top = run_cli("--help", columns=200).stdout
+    order = [
+        top.index(f"│ {name} ")
+        for name in ("learner", "worker", "status", "report", "plan", "simulate", "bench", "secret")
+    ]
+    assert order == sorted(order), top

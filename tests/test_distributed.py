@@ -125,7 +125,7 @@ def test_a_worker_whose_max_batch_is_below_the_group_size_stops_with_one_line(sw
 def test_status_of_a_dead_learner_fails_within_its_timeout(tmp_path):
     from libp2p.crypto.ed25519 import Ed25519PrivateKey
 
-    from p2p.host import peer_id_of
+    from p2p.identity import peer_id_of
 
     nobody = f"/ip4/127.0.0.1/tcp/9/p2p/{peer_id_of(Ed25519PrivateKey.new())}"
     start = time.monotonic()

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from learner.orchestrate.rollouts import Rollout
-from learner.train.models import export_tensors, model_spec
+from learner.train.models import model_spec
 from learner.train.trainer import completion_logprobs
+from learner.train.wire_weights import wire_tensors
 from p2p.messages import GenerationRequest, SamplingParams
 from worker.engines.hf import TransformersEngine
 from worker.engines.llamacpp import LlamaCppEngine
@@ -16,7 +17,7 @@ from worker.gguf_writer import permute_for_llamacpp
 @pytest.fixture(scope="module")
 def engine(tiny, tmp_path_factory):
     eng = LlamaCppEngine(tmp_path_factory.mktemp("engine"), threads=2, max_batch=8)
-    eng.load_policy(model_spec(tiny), export_tensors(tiny.model))
+    eng.load_policy(model_spec(tiny), wire_tensors(tiny.model))
     yield eng
     eng.close()
 
@@ -61,7 +62,7 @@ def test_generate_groups_and_behaviour_logprobs(tiny, engine):
 
 def test_transformers_engine_same_interface(tiny):
     eng = TransformersEngine(threads=2)
-    eng.load_policy(model_spec(tiny), export_tensors(tiny.model))
+    eng.load_policy(model_spec(tiny), wire_tensors(tiny.model))
     prompt = tiny.render_prompt("What is 1 + 1?")
     [group] = eng.generate([GenerationRequest(prompt, 3)], SamplingParams(1.0, 1.0, 10, 3))
     rollouts = [Rollout(prompt, c.tokens, c.logprobs, 0.0) for c in group]

@@ -6,9 +6,10 @@ import torch
 
 from learner.config import GRPOConfig
 from learner.orchestrate.publisher import Publisher
-from learner.train.lora import add_lora, wire_state
-from learner.train.models import export_tensors, model_spec, tiny_policy
+from learner.train.lora import add_lora
+from learner.train.models import model_spec, tiny_policy
 from learner.train.trainer import GRPOTrainer
+from learner.train.wire_weights import wire_state, wire_tensors
 from tests.test_trainer import make_rollouts
 from worker.engines.hf import TransformersEngine
 from worker.engines.llamacpp import LlamaCppEngine
@@ -55,8 +56,8 @@ def test_llamacpp_and_transformers_follow_the_trained_adapters(tmp_path):
     llama = LlamaCppEngine(tmp_path, threads=2, max_batch=8)
     hf = TransformersEngine(threads=2)
     try:
-        llama.load_policy(spec, export_tensors(policy.model))  # a LoRA run's full snapshot: base + adapters
-        hf.load_policy(spec, export_tensors(policy.model))
+        llama.load_policy(spec, wire_tensors(policy.model))  # a LoRA run's full snapshot: base + adapters
+        hf.load_policy(spec, wire_tensors(policy.model))
         before = torch_logits(policy, ids)
         assert np.abs(llama.logits(ids) - before).max() < 1e-2  # F16 weights and adapters against float32
         model_handle = llama.model
@@ -64,7 +65,7 @@ def test_llamacpp_and_transformers_follow_the_trained_adapters(tmp_path):
         train(policy, 4)
         after = torch_logits(policy, ids)
         assert np.abs(after - before).max() > 0.05  # the adapters really moved the policy
-        adapters = export_tensors(policy.model, adapter_only=True)
+        adapters = wire_tensors(policy.model, adapter_only=True)
         assert adapters and all(".lora_" in n for n in adapters)
         llama.load_adapters(spec, adapters)  # the hot swap
         hf.load_adapters(spec, adapters)

@@ -18,12 +18,11 @@ from p2p.host import (
     BadRequest,
     Host,
     HostConfig,
-    IdentityError,
     PeerUnavailable,
     RemoteError,
     RemoteFailure,
-    load_identity,
 )
+from p2p.identity import IdentityError, load_identity
 from p2p.manifest import Manifest, ManifestError
 from p2p.versions import build_version, rebuild_raw, tensors_of
 from p2p.wire import REQUEST_LIMITS, FrameError, FrameLimits, decode_body, encode_frame, parse_header
@@ -184,7 +183,7 @@ def test_codec_round_trip_and_delta_size():
 
 def test_manifest_signed_by_another_key_is_rejected():
     learner, other = Ed25519PrivateKey.new(), Ed25519PrivateKey.new()
-    from p2p.host import peer_id_of
+    from p2p.identity import peer_id_of
 
     learner_id = peer_id_of(learner)
     pv, _ = random_version(learner, learner_id, mb=0.1)

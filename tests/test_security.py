@@ -14,7 +14,9 @@ from learner.orchestrate.verify import CAP, divergence, replay_sampling
 from p2p.auth import SwarmAuth, proof, read_allow_list, read_secret
 from p2p.broadcast import ChunkStore
 from p2p.config import ConfigError
-from p2p.host import BadRequest, Misbehaviour, PeerGuard, peer_id_of
+from p2p.guard import PeerGuard
+from p2p.host import BadRequest, Misbehaviour
+from p2p.identity import peer_id_of
 from p2p.versions import build_version
 
 LEARNER, WORKER, OTHER = (peer_id_of(Ed25519PrivateKey.new()) for _ in range(3))

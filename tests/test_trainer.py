@@ -182,7 +182,7 @@ def test_published_snapshot_rounds_like_numpy(dtype):
     import numpy as np
 
     from learner.orchestrate.publisher import Publisher
-    from learner.train.models import export_tensors
+    from learner.train.wire_weights import wire_tensors
     from p2p.codec import bf16_bits
 
     model = tiny_policy(seed=3).model
@@ -191,7 +191,7 @@ def test_published_snapshot_rounds_like_numpy(dtype):
             p.mul_(1 + 1e-3 * torch.randn_like(p))  # off the initial values' round numbers
     publisher = Publisher(seeder=None, run_id="r", full_every=10, dtype=dtype)
     snapshot = publisher.snapshot(model)
-    reference = export_tensors(model)
+    reference = wire_tensors(model)
     assert set(snapshot) == set(reference)
     for name, x in reference.items():
         want = x if x.ndim < 2 else bf16_bits(x) if dtype == "bf16" else x.astype(np.float16)

@@ -24,9 +24,10 @@ import numpy as np
 
 from p2p.auth import authenticate, read_secret
 from p2p.broadcast import BroadcastPeer, ChunkStore
-from p2p.codec import CodecError, bf16_to_f32
+from p2p.codec import CodecError
 from p2p.config import ConfigError
-from p2p.host import Host, HostConfig, PeerUnavailable, RemoteError, RemoteFailure, Unauthorized, load_identity
+from p2p.host import Host, HostConfig, PeerUnavailable, RemoteError, RemoteFailure, Unauthorized
+from p2p.identity import load_identity
 from p2p.manifest import Manifest, ManifestError
 from p2p.messages import (
     HEARTBEAT,
@@ -46,6 +47,7 @@ from p2p.messages import (
     SpecReply,
 )
 from p2p.versions import tensors_of
+from p2p.weights import to_float32
 from worker.config import WorkerConfig
 from worker.engines import make_engine
 
@@ -205,10 +207,7 @@ class WorkerDaemon:
 
     @staticmethod
     def _floats(manifest: Manifest, raw: bytes) -> dict[str, np.ndarray]:
-        return {
-            name: bf16_to_f32(array) if entry.dtype == "bf16" else np.asarray(array, dtype=np.float32)
-            for (name, array), entry in zip(tensors_of(manifest, raw).items(), manifest.tensors, strict=True)
-        }
+        return {name: to_float32(array) for name, array in tensors_of(manifest, raw).items()}
 
     def _work(self, lease: LeaseGrant) -> None:
         version, requests = self.version, lease.requests

@@ -4,43 +4,16 @@ from __future__ import annotations
 
 import logging
 
-import msgpack
 import numpy as np
 import torch
 
-from learner.train.lora import wire_state
+from learner.train.wire_weights import wire_dtypes, wire_tensors
 from p2p.broadcast import Seeder
 from p2p.codec import DEFAULT_CHUNK
-from p2p.config import ConfigError
 from p2p.manifest import Manifest
 from p2p.versions import build_version
 
 log = logging.getLogger(__name__)
-
-VERSIONS_TOPIC = "echo/versions/1"
-
-
-def wire_tensors(
-    model: torch.nn.Module, dtype: str, adapter_only: bool = False, state: dict[str, torch.Tensor] | None = None
-) -> dict[str, np.ndarray]:
-    """The model's weights in the wire format: a copy, so training may go on while it is published.
-
-    Matrices go as bf16 bit patterns (uint16) or f16; vectors (norms, a few KB) as float32, as the
-    worker's GGUF keeps them. torch rounds to nearest even like numpy, 10x faster on the learner's
-    thread (0.03-0.08 s against 0.5-0.7 s for SmolLM2's f16). `state`: the gathered weights of a
-    sharded model (learner.train.data_parallel.full_state).
-    """
-    tensors = {}
-    for name, t in wire_state(model, adapter_only, state).items():
-        if t.ndim < 2:
-            tensors[name] = t.float().numpy()
-        elif dtype == "bf16":
-            tensors[name] = t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        else:
-            tensors[name] = t.to(torch.float16).numpy()
-            if not np.isfinite(tensors[name]).all():
-                raise ConfigError(f"weight {name} exceeds the f16 range: publish with --wire-dtype bf16")
-    return tensors
 
 
 class Publisher:
@@ -52,7 +25,7 @@ class Publisher:
     the others are XOR deltas against the previous publication. Versions older than the full snapshot
     before the newest are dropped from the store: a late joiner needs the newest snapshot and the deltas
     after it, and a worker still fetching the previous chain can finish it.
-    A short announcement goes out on GossipSub; workers that miss it find the version by polling.
+    Workers learn of a new version from the learner's heartbeat and lease replies (`newest`).
 
     LoRA runs (`lora`): the first publication is a full snapshot (frozen base and adapters); every later
     one carries only the adapters and names that snapshot as its base (adapter_base). The store keeps
@@ -88,7 +61,7 @@ class Publisher:
         adapter = self.lora and self.base is not None
         full = not adapter and (self.previous is None or self.published % self.full_every == 0)
         pv, raw = build_version(
-            self.run_id, version, tensors, {n: "bf16" for n, a in tensors.items() if a.dtype == np.uint16},
+            self.run_id, version, tensors, wire_dtypes(tensors),
             base=None if full or adapter else self.previous, chunk_size=self.chunk_size,
             adapter_base=self.base if adapter else None,
         )  # fmt: skip
@@ -107,10 +80,6 @@ class Publisher:
             self.base = version
         self.previous = (version, raw)
         self.published += 1
-        try:
-            host.publish(VERSIONS_TOPIC, msgpack.packb({"run_id": self.run_id, "version": version}))
-        except Exception as exc:  # noqa: BLE001 - an announcement is a hint; workers also poll
-            log.debug("version announcement failed: %s", exc)
         log.info(
             "published v%d (%s, %.1f MB on the wire, %.1f%% of the raw 16-bit tensors)", version,
             f"LoRA adapters for v{self.base}" if adapter else pv.manifest.codec,

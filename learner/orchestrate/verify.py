@@ -39,32 +39,22 @@ import torch
 
 from learner.orchestrate.rollouts import Rollout
 from learner.train.trainer import nucleus_masks, pack_completions
-from p2p.codec import bf16_to_f32
 from p2p.draws import uniforms
 from p2p.messages import is_adapter
+from p2p.weights import lora_deltas, to_float32
 
 log = logging.getLogger(__name__)
 
 CAP = 10.0  # nats: one token outside the recomputed nucleus must not make d infinite
 
 
-def to_float(array: np.ndarray) -> torch.Tensor:
-    """A wire tensor (bf16 bits as uint16, f16 or f32) as float32."""
-    if array.dtype == np.uint16:
-        array = bf16_to_f32(array)
-    return torch.from_numpy(np.asarray(array, dtype=np.float32))
-
-
 def merged_weights(
     base: Mapping[str, np.ndarray], adapters: Mapping[str, np.ndarray] | None, scale: float
 ) -> dict[str, torch.Tensor]:
-    """Full float32 weights under HF names; LoRA adapters merged: W + scale * B A."""
-    weights = {name: to_float(a) for name, a in base.items() if not is_adapter(name)}
-    for name, a in (adapters or {}).items():
-        if name.endswith(".lora_A.weight"):
-            target = name.removesuffix(".lora_A.weight") + ".weight"
-            b = adapters[name.removesuffix(".lora_A.weight") + ".lora_B.weight"]
-            weights[target] = weights[target] + scale * (to_float(b) @ to_float(a))  # [out, r] @ [r, in]
+    """Full float32 weights under HF names; LoRA adapters merged: W + scale * B A (p2p.weights)."""
+    weights = {name: torch.from_numpy(to_float32(a)) for name, a in base.items() if not is_adapter(name)}
+    for name, delta in lora_deltas(adapters or {}, scale):
+        weights[name] = weights[name] + torch.from_numpy(delta)
     return weights
 
 

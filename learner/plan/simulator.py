@@ -2,6 +2,8 @@
 
 It drives the real learner's Scheduler (learner/plan/scheduler.py), capacity model and lease admission
 rule (learner/plan/admission.py) with simulated time, so what it predicts is what those decisions do.
+Long because one event loop reads best whole: each event kind is one method of Simulation.
+
 What is simulated, per event:
 
     learner    takes a batch of P groups within the staleness bound (oldest first, stale ones dropped),

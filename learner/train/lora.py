@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from p2p.messages import is_adapter
-
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -23,19 +21,3 @@ def add_lora(model: torch.nn.Module, rank: int, alpha: float) -> None:
 
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(LORA_TARGETS), lora_dropout=0.0, bias="none")
     inject_adapter_in_model(config, model)
-
-
-def wire_state(
-    model: torch.nn.Module, adapter_only: bool = False, state: dict[str, torch.Tensor] | None = None
-) -> dict[str, torch.Tensor]:
-    """The model's tensors (or `state`, its gathered state dict when sharded) under their wire names
-    (see the module docstring); the tied lm_head once."""
-    out = {}
-    for name, t in (model.state_dict() if state is None else state).items():
-        if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
-            continue
-        name = name.replace(".base_layer.", ".").replace(".lora_A.default.", ".lora_A.")
-        name = name.replace(".lora_B.default.", ".lora_B.")
-        if not adapter_only or is_adapter(name):
-            out[name] = t.detach()
-    return out

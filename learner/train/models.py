@@ -1,7 +1,7 @@
 """Policy models the learner trains: the bundled SmolLM2-135M, a tiny random Llama, or a local model.
 
 Every model is a transformers `LlamaForCausalLM` in float32 with a byte-level BPE tokenizer that has a
-chat template. `model_spec` and `export_tensors` turn it into what a worker needs (design.md §3).
+chat template. `model_spec` says what a worker needs to rebuild it (learner.train.wire_weights: its weights).
 """
 
 from __future__ import annotations
@@ -12,12 +12,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from learner.train.lora import wire_state
 from p2p.messages import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -224,8 +222,3 @@ def model_spec(policy: Policy) -> ModelSpec:
         lora_rank=policy.lora_rank,
         lora_alpha=policy.lora_alpha,
     )
-
-
-def export_tensors(model: torch.nn.Module, adapter_only: bool = False) -> dict[str, np.ndarray]:
-    """The model's weights as float32 numpy arrays under their wire names (learner.train.lora.wire_state)."""
-    return {name: t.float().numpy() for name, t in wire_state(model, adapter_only).items()}

@@ -1,4 +1,4 @@
-"""Start a bare echo-rl libp2p node (Noise + yamux, identify, ping, GossipSub) and print its multiaddr."""
+"""Start a bare echo-rl libp2p node (Noise + yamux, identify, ping) and print its multiaddr."""
 
 import sys
 import time

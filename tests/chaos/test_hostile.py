@@ -3,7 +3,8 @@ access are in test_adversary.py)."""
 
 import pytest
 
-from p2p.host import Unauthorized, load_identity, peer_id_of
+from p2p.host import Unauthorized
+from p2p.identity import load_identity, peer_id_of
 from p2p.messages import LEASE, STATUS
 from tests.chaos.hostile import hostile_host
 

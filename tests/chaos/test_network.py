@@ -8,7 +8,8 @@ import threading
 from libp2p.crypto.ed25519 import Ed25519PrivateKey
 
 from p2p.broadcast import MANIFEST, ChunkServer, ChunkStore
-from p2p.host import PeerUnavailable, RemoteError, load_identity, peer_id_of
+from p2p.host import PeerUnavailable, RemoteError
+from p2p.identity import load_identity, peer_id_of
 from p2p.manifest import Manifest
 from tests.chaos.hostile import hostile_host
 from tests.chaos.test_kills import steps_done, wait_for

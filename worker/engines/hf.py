@@ -14,6 +14,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from p2p.draws import uniforms
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams, is_adapter
+from p2p.weights import lora_deltas, to_float32
 from worker.sampling import sample_next
 
 
@@ -48,11 +49,7 @@ class TransformersEngine:
         """Load float weights; LoRA adapters among them (a LoRA run's full snapshot) are merged in."""
         if self.model is None or self.model.config.to_dict() != llama_config(spec).to_dict():
             self.model = LlamaForCausalLM(llama_config(spec)).eval()
-        base = {
-            name: torch.from_numpy(np.asarray(a, dtype=np.float32))
-            for name, a in tensors.items()
-            if not is_adapter(name)
-        }
+        base = {name: torch.from_numpy(to_float32(a)) for name, a in tensors.items() if not is_adapter(name)}
         self.model.load_state_dict(base, strict=False)
         self.base = base if spec.lora_rank else {}  # kept only where adapters will be merged onto it
         if spec.tie_embeddings:
@@ -68,14 +65,8 @@ class TransformersEngine:
         if self.model is None:
             raise RuntimeError("no policy loaded: call load_policy() first")
         params = dict(self.model.named_parameters())
-        for name, a in tensors.items():
-            if not name.endswith(".lora_A.weight"):
-                continue
-            stem = name.removesuffix(".lora_A.weight")
-            a_t = torch.from_numpy(np.asarray(a, dtype=np.float32))  # [r, in]
-            b_t = torch.from_numpy(np.asarray(tensors[stem + ".lora_B.weight"], dtype=np.float32))  # [out, r]
-            scale = spec.lora_alpha / a_t.shape[0]
-            params[stem + ".weight"].copy_(self.base[stem + ".weight"] + scale * (b_t @ a_t))
+        for name, delta in lora_deltas(tensors, spec.lora_alpha / spec.lora_rank):
+            params[name].copy_(self.base[name] + torch.from_numpy(delta))
 
     @torch.no_grad()
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]:
