@@ -19,6 +19,7 @@ from echo_cli.config import load_config, with_config_flags
 from echo_cli.live import show_learner, show_worker
 from learner.config import LearnerConfig
 from p2p.config import ConfigError
+from p2p.logs import DemoteLibp2p
 from worker.config import WorkerRootConfig
 
 
@@ -51,13 +52,9 @@ log = logging.getLogger("echo_rl")
 
 def setup_logging(verbose: bool = False) -> None:
     """Rich log lines; --verbose shows echo-rl's own debug messages (not those of its libraries)."""
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(message)s",
-        datefmt="[%X]",
-        handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=True)],
-        force=True,
-    )
+    handler = RichHandler(console=console, show_path=False, rich_tracebacks=True)
+    handler.addFilter(DemoteLibp2p(keep_debug=verbose))  # its expected dial failures are ERROR records
+    logging.basicConfig(level=logging.INFO, format="%(message)s", datefmt="[%X]", handlers=[handler], force=True)
     for noisy in ("transformers", "accelerate", "urllib3", "filelock", "gguf", "libp2p", "multiaddr"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     for ours in ("echo_rl", "learner", "worker", "p2p"):
@@ -171,6 +168,7 @@ def status(
     """Show the swarm: the learner's step, mode, utilisation and buffer, and every worker."""
     from echo_cli.status import StatusError, learner_address, show_status
 
+    setup_logging()
     try:
         show_status(learner_address(learner, run_dir), json_out, watch, timeout, interval)
     except StatusError as exc:

@@ -2,7 +2,7 @@
 
 The orchestrator (`run_broadcast_bench`) starts every node as `python -m echo_cli.bench_broadcast node ...`, waits
 until all listen, tells all peers to start at once, and reports the seconds until the last peer holds
-the verified version, next to the star time N*M/u_s and the lower bound of design.md §4:
+the verified version, next to the star time N*M/u_s and the lower bound of docs/design.md §4:
     T_min = max(M / u_s, M / min_i d_i, N * M / (u_s + sum_i u_i)).
 """
 

@@ -71,7 +71,7 @@ class TaskConfig:
 
 @dataclass
 class GRPOConfig:
-    """The GRPO objective and optimizer (design.md §4)."""
+    """The GRPO objective and optimizer (docs/design.md §4)."""
 
     prompts_per_step: int = 4
     """Prompts per optimizer step; each is completed group_size times."""

@@ -1,4 +1,4 @@
-"""Peer-assisted pipelined broadcast of policy versions (design.md §4).
+"""Peer-assisted pipelined broadcast of policy versions (docs/design.md §4).
 
 The learner (seeder) holds every chunk of a version. Each peer fetches chunks from the learner and
 from other peers at once, and serves every chunk it holds while it is still downloading:

@@ -57,6 +57,10 @@ from p2p.wire import (
 )
 
 log = logging.getLogger(__name__)
+# py-libp2p detaches its "libp2p" logger from the root and gives it no handler, so Python's last-resort
+# handler printed its ERROR records (expected dial failures to peers that left) bare on stderr. Propagated,
+# they reach the application's handlers, where echo_cli demotes them to debug (p2p.logs).
+logging.getLogger("libp2p").propagate = True
 
 Handler = Callable[[str, dict[str, Any]], dict[str, Any]]
 

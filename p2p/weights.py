@@ -16,7 +16,7 @@ from p2p.codec import bf16_to_f32
 
 def to_float32(array: np.ndarray) -> np.ndarray:
     """A wire tensor as float32: uint16 arrays are bf16 bit patterns, f16 and f32 are widened as they are."""
-    return bf16_to_f32(array) if array.dtype == np.uint16 else np.asarray(array, dtype=np.float32)
+    return bf16_to_f32(array) if array.dtype == np.uint16 else np.array(array, dtype=np.float32)  # writable copy
 
 
 def lora_deltas(adapters: Mapping[str, np.ndarray], scale: float) -> Iterator[tuple[str, np.ndarray]]:

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 RUN_DIR=${RUN_DIR:-runs/demo-$(date +%Y%m%d-%H%M%S)}
-echo "demo: a learner and 2 workers on this machine, run dir $RUN_DIR (~10 min on 2 cores)"
+echo "demo: a learner and 2 workers on this machine, run dir $RUN_DIR (40 steps: ~17 min on 2 CPU cores)"
 .venv/bin/python scripts/local_swarm.py --workers 2 --worker-threads 1 --status-every 120 -- \
     --config configs/demo.toml --run-dir "$RUN_DIR" "$@"
 # how the run went: a summary table, and plots in $RUN_DIR/report/

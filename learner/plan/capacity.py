@@ -1,6 +1,6 @@
 """The capacity model: which workers keep the learner busy with fresh enough rollouts, at least cost.
 
-Derivation, assumptions and a worked example: docs/capacity-model.md. Symbols as in design.md §4:
+Derivation, assumptions and a worked example: docs/capacity-model.md. Symbols as in docs/design.md §4:
 R rollouts per step, T = T_train seconds per step, kappa steps between versions, S the staleness bound,
 B = T_bcast seconds from the end of a step until a worker holds the version it published, and per
 worker mu_i rollouts/s, L_i seconds per lease, c_i dollars per hour.
@@ -160,7 +160,7 @@ def choose_active(rates: dict[str, float], prices: dict[str, float], need: float
     among the paid ones (all of them if none covers). `rates` are fresh rollouts/s, all > 0."""
     free = {n for n in rates if prices[n] <= 0}
     paid = [n for n in rates if prices[n] > 0]
-    rest = need - sum(rates[n] for n in free)
+    rest = need - sum(rates[n] for n in sorted(free))  # a fixed order: the same float sum every run
     if rest <= 0:
         return free
     return free | {paid[i] for i in cheapest_cover([prices[n] for n in paid], [rates[n] for n in paid], rest)}

@@ -247,7 +247,7 @@ class Scheduler:
                 self._decide(self.workers[n], True, f"needed: active supply below {1 + c.margin:.2f} x demand")
         keep = (1 + 2 * c.margin) * figs.rollouts_per_step / figs.train_step_s  # what must remain after
         supply = sum(rates[n] for n in measured if self.workers[n].active)
-        for n in sorted(settled - target, key=lambda n: (rates[n] > 0, -measured[n].price_per_hour)):
+        for n in sorted(settled - target, key=lambda n: (rates[n] > 0, -measured[n].price_per_hour, n)):
             state = self.workers[n]
             if state.active and supply - rates[n] >= keep:
                 supply -= rates[n]
