@@ -35,6 +35,20 @@ def test_step_raises_likelihood_of_positive_advantage():
     assert float(((after - before) * sign).sum()) > 0
 
 
+@pytest.mark.parametrize("beta, objective, minibatches", [(0.0, "behaviour", 1), (0.05, "decoupled", 2)])
+def test_every_tensor_of_a_step_is_created_on_the_models_device(beta, objective, minibatches):
+    """With the default device set to `meta`, a tensor the step creates without naming the model's device
+    lands on meta and mixing it with the model's (CPU) tensors fails: the step must create every tensor
+    where the model is, as it must on a GPU (where a stray CPU tensor fails the same way)."""
+    policy = tiny_policy(0)
+    rollouts = make_rollouts(policy)
+    cfg = GRPOConfig(lr=1e-2, beta=beta, objective=objective, minibatches=minibatches)
+    trainer = GRPOTrainer(policy.model, cfg, temperature=1.0, top_p=0.9)
+    with torch.device("meta"):
+        stats = trainer.step(rollouts)
+    assert stats["trained_tokens"] > 0 and stats["skipped_updates"] == 0
+
+
 def test_micro_batching_gives_the_same_gradient():
     base = tiny_policy(0)
     rollouts = make_rollouts(base)

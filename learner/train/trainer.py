@@ -119,9 +119,10 @@ class GRPOTrainer:
             if not batch:  # this rank's share is done: a pass that adds nothing to the gradient
                 (completion_logprobs(self.model, [PADDING], self.temperature).sum() * 0.0).backward()
                 continue
-            lengths = torch.tensor([len(r.completion_ids) for r in batch])  # [B]
+            device = model_device(self.model)  # every tensor of the step where the model is
+            lengths = torch.tensor([len(r.completion_ids) for r in batch], device=device)  # [B]
             if cfg.loss_norm == "token":
-                weights = torch.full((int(lengths.sum()),), 1.0 / total_tokens)  # [N]
+                weights = torch.full((int(lengths.sum()),), 1.0 / total_tokens, device=device)  # [N]
             else:
                 weights = torch.repeat_interleave(1.0 / (lengths * n_rollouts), lengths)  # [N]
             logp = completion_logprobs(self.model, batch, self.temperature, self.top_p)  # [N]
@@ -129,8 +130,8 @@ class GRPOTrainer:
             if self.reference is not None:
                 with torch.no_grad():
                     logp_ref = completion_logprobs(self.reference, batch, self.temperature, self.top_p)  # [N]
-            behaviour = torch.tensor([lp for r in batch for lp in r.behaviour_logprobs])  # [N]
-            advantages = torch.repeat_interleave(torch.tensor([r.advantage for r in batch]), lengths)  # [N]
+            behaviour = torch.tensor([lp for r in batch for lp in r.behaviour_logprobs], device=device)  # [N]
+            advantages = torch.repeat_interleave(torch.tensor([r.advantage for r in batch], device=device), lengths)
             prox = None if proximal is None else torch.cat([proximal[id(r)] for r in batch])  # [N]
             loss, stats = policy_loss(
                 logp, behaviour, advantages, weights,
@@ -196,21 +197,30 @@ def micro_batches(rollouts: list[TrainingSequence], max_tokens: int) -> list[lis
     return batches
 
 
-def pack_completions(batch: list[TrainingSequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's weights are: the step's tensors are created there (CPU, cuda:N)."""
+    return next(model.parameters()).device
+
+
+def pack_completions(
+    batch: list[TrainingSequence], device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded prompt + completion ids [B, T], their mask [B, T], and for every completion token
-    the (row, column) of the position whose output predicts it: rows [N], cols [N]."""
+    the (row, column) of the position whose output predicts it: rows [N], cols [N]; built on the CPU,
+    then moved to `device` in one copy each."""
     seqs = [r.prompt_ids + r.completion_ids for r in batch]
     width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)  # [B, T]
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)  # [B, T]
+    ids = torch.zeros(len(seqs), width, dtype=torch.long, device="cpu")  # [B, T]
+    mask = torch.zeros(len(seqs), width, dtype=torch.long, device="cpu")  # [B, T]
     rows, cols = [], []
     for b, (r, s) in enumerate(zip(batch, seqs, strict=True)):
-        ids[b, : len(s)] = torch.tensor(s)
+        ids[b, : len(s)] = torch.tensor(s, device="cpu")
         mask[b, : len(s)] = 1
         start = len(r.prompt_ids) - 1  # the position whose output predicts the first completion token
         rows += [b] * len(r.completion_ids)
         cols += range(start, start + len(r.completion_ids))
-    return ids, mask, torch.tensor(rows), torch.tensor(cols)
+    rows_t, cols_t = torch.tensor(rows, device="cpu"), torch.tensor(cols, device="cpu")
+    return ids.to(device), mask.to(device), rows_t.to(device), cols_t.to(device)
 
 
 def completion_logprobs(
@@ -225,7 +235,7 @@ def completion_logprobs(
     logprob). Only the hidden states that predict completion tokens go through the output layer (a
     fifth of a small model's compute at a 49k vocabulary), so prompt positions cost no vocabulary projection.
     """
-    ids, mask, rows_t, cols_t = pack_completions(batch)
+    ids, mask, rows_t, cols_t = pack_completions(batch, model_device(model))
     # through the model's own forward (FSDP gathers weights in its hooks), the output layer on one position
     out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1)
     hidden = out.hidden_states[-1]  # [B, T, H] after the final norm
