@@ -16,7 +16,10 @@ from p2p.codec import bf16_to_f32
 
 def to_float32(array: np.ndarray) -> np.ndarray:
     """A wire tensor as float32: uint16 arrays are bf16 bit patterns, f16 and f32 are widened as they are."""
-    return bf16_to_f32(array) if array.dtype == np.uint16 else np.array(array, dtype=np.float32)  # writable copy
+    if array.dtype == np.uint16:
+        return bf16_to_f32(array)
+    out = np.asarray(array, dtype=np.float32)  # f16 is widened (a new array); float32 is used as it is
+    return out if out.flags.writeable else out.copy()  # read-only wire buffers: torch.from_numpy needs writable
 
 
 def lora_deltas(adapters: Mapping[str, np.ndarray], scale: float) -> Iterator[tuple[str, np.ndarray]]:

@@ -210,3 +210,20 @@ def test_published_snapshot_rounds_like_numpy(dtype):
     for name, x in reference.items():
         want = x if x.ndim < 2 else bf16_bits(x) if dtype == "bf16" else x.astype(np.float16)
         assert snapshot[name].dtype == want.dtype and np.array_equal(snapshot[name].view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_wire_tensors_are_a_copy_of_the_weights(dtype):
+    """A version is encoded (and remembered by the verifier) in the background while the next step trains:
+    its arrays must not change when the optimizer updates the weights in place (float32 norms did)."""
+    import numpy as np
+
+    from learner.train.wire_weights import wire_tensors
+
+    policy = tiny_policy(0)
+    tensors = wire_tensors(policy.model, dtype)
+    before = {name: a.copy() for name, a in tensors.items()}
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(1.0)
+    assert all(np.array_equal(before[name], a) for name, a in tensors.items())

@@ -37,19 +37,21 @@ def wire_tensors(
     adapter_only: bool = False,
     state: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, np.ndarray]:
-    """The model's weights under their wire names as numpy arrays: a copy, so training may go on while
-    they are published.
+    """The model's weights under their wire names as numpy arrays: always a copy (float32 tensors too),
+    so training may go on while a version is encoded and verified from them in the background.
 
     f32: every tensor as float32 (an engine in this process, the co-located sampler). f16/bf16 (what a
     version carries): matrices as f16 or bf16 bit patterns (uint16); vectors (norms, a few KB) as
-    float32, as the worker's GGUF keeps them. torch rounds to nearest even like numpy, 10x faster on the learner's
-    thread (0.03-0.08 s against 0.5-0.7 s for SmolLM2's f16). `state`: the gathered weights of a
-    sharded model (learner.train.data_parallel.full_state).
+    float32, as the worker's GGUF keeps them. torch rounds to nearest even like numpy, 10x faster on the
+    learner's thread (0.03-0.08 s against 0.5-0.7 s for SmolLM2's f16). `state`: the gathered weights of
+    a sharded model (learner.train.data_parallel.full_state).
     """
     tensors = {}
     for name, t in wire_state(model, adapter_only, state).items():
         if t.ndim < 2 or dtype == "f32":
-            tensors[name] = t.float().numpy()
+            # .float() of a float32 parameter is the parameter itself: its numpy view would change
+            # under the next optimizer step while the publisher still encodes this version
+            tensors[name] = t.to(torch.float32, copy=True).numpy()
         elif dtype == "bf16":
             tensors[name] = t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
         else:
