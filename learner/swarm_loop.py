@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import secrets
 import time
 from collections.abc import Iterator
@@ -73,13 +74,13 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
     )
     host = Host(load_identity(run.run_dir / "learner.key"), host_cfg)
     host.start()
+    addr_file = run.run_dir / "learner.addr"
+    addr_file.unlink(missing_ok=True)  # the previous start's address is no sign that this one is ready
     journal: RolloutJournal | None = None
     try:
         auth = SwarmAuth(host.peer_id, secret, allow)
         host.gate = auth.allows
         host.handle(AUTH, auth.on_auth, guarded=False)
-        (run.run_dir / "learner.addr").write_text(host.addrs[0] + "\n")
-        log.info("learner listening on %s", host.addrs[0])
         seeder = Seeder(host, ChunkStore(spill_dir=run.run_dir / "chunks", memory_budget=1 << 30))
         publisher = Publisher(
             seeder,
@@ -103,6 +104,11 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
         service = LearnerService(
             seeder, cfg, policy, run.task, model_spec(policy), publisher.run_id, journal, verifier, resumed
         )
+        # the address file says "ready": written only once every protocol has its handler, so that a
+        # worker or `status` dialing it at once is answered rather than told "protocol not supported"
+        addr_file.with_suffix(".tmp").write_text(host.addrs[0] + "\n")
+        os.replace(addr_file.with_suffix(".tmp"), addr_file)
+        log.info("learner listening on %s", host.addrs[0])
         for group_id in resumed.pending():  # accepted before the restart, not trained on yet
             service.buffer.add(group_of(resumed.groups[group_id]))
         replay = {s: r for s, r in resumed.steps.items() if s > run.start_step}

@@ -33,10 +33,11 @@ class Swarm:
     def learner(self, *args: str, ranks: int = 1) -> subprocess.Popen:
         base = ["learner", "start", "--model", "tiny", "--run-dir", str(self.run_dir), "--prompts-per-step", "2"]
         base += ["--group-size", "4", "--max-new-tokens", "16", "--checkpoint-every", "1000"]
-        proc = self.spawn("learner", *base, *args, ranks=ranks)
         addr_file = self.run_dir / "learner.addr"
+        before = _mtime(addr_file)  # a resumed run's previous address is not a sign that this start is ready
+        proc = self.spawn("learner", *base, *args, ranks=ranks)
         deadline = time.monotonic() + 120
-        while not addr_file.exists() or not addr_file.read_text().strip():
+        while _mtime(addr_file) in (None, before):
             assert proc.poll() is None, self.log("learner")
             assert time.monotonic() < deadline, "learner did not start"
             time.sleep(0.2)
@@ -66,3 +67,10 @@ class Swarm:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(10)
+
+
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
