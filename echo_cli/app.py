@@ -94,16 +94,22 @@ def learner_start(
 ) -> None:
     """Train a policy with GRPO: on rollouts from swarm workers, or --colocated in this one process."""
     setup_logging(verbose)
+    from learner.train.data_parallel import started_by_torchrun
+
     try:
         cfg = load_config(LearnerConfig, config, overrides)
-        if colocated and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if colocated and started_by_torchrun():
             raise ConfigError("--colocated runs in one process: start it without torchrun")
         if colocated:
             from learner.colocated_loop import train_colocated
             from worker.engines import make_engine
 
             sampler = cfg.sampler
-            engine = make_engine(sampler.engine, Path(cfg.run.run_dir) / "sampler", sampler.threads, sampler.max_batch)
+            # the sampler on the learner's GPU too: llama.cpp offloads its layers, transformers runs on --device
+            engine = make_engine(
+                sampler.engine, Path(cfg.run.run_dir) / "sampler", sampler.threads, sampler.max_batch,
+                sampler.gpu_layers, cfg.model.device,
+            )  # fmt: skip
             steps = train_colocated(cfg, engine, resume=resume)
         else:
             from learner.swarm_loop import train_distributed
@@ -112,7 +118,7 @@ def learner_start(
         show_learner(steps, cfg.run.steps, console)
     except user_errors() as exc:
         raise fail(str(exc)) from None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if started_by_torchrun():
         # torchrun ranks: the run is complete (checkpoint written, process group left), but a rank's
         # static destructors sometimes abort in a torch.distributed thread ("terminate called without
         # an active exception"), which torchrun reports as a failed run; skip them
@@ -264,6 +270,33 @@ def bench_sampler(
 
     try:
         run_sampler_bench(model, prompts, group_size, max_new_tokens, threads, max_batch, cache_dir, json_out)
+    except user_errors() as exc:
+        raise fail(str(exc)) from None
+
+
+@bench_app.command("engines")
+def bench_engines(
+    engines: str = typer.Option(
+        "llamacpp-cpu,llamacpp-gpu,transformers-cpu,transformers-cuda", "--engines",
+        help="Comma-separated: llamacpp-cpu, llamacpp-gpu, transformers-cpu, transformers-cuda.",
+    ),
+    model: str = typer.Option("smollm2-135m", "--model", help="Model name or path (as for learner start)."),
+    prompts: int = typer.Option(8, "--prompts", help="Distinct prompts."),
+    group_size: int = typer.Option(8, "--group-size", help="Completions per prompt."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Completion length limit."),
+    threads: int = typer.Option(2, "--threads", help="CPU threads."),
+    max_batch: int = typer.Option(32, "--max-batch", help="Sequences decoded together."),
+    cache_dir: str = typer.Option("~/.cache/echo-rl", "--cache-dir", help="Model cache."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:  # fmt: skip
+    """Worker tokens/s per engine: llama.cpp on CPU and GPU, transformers on CPU and CUDA, same prompts."""
+    setup_logging()
+    from echo_cli.bench import run_engines_bench
+
+    try:
+        run_engines_bench(
+            engines.split(","), model, prompts, group_size, max_new_tokens, threads, max_batch, cache_dir, json_out
+        )
     except user_errors() as exc:
         raise fail(str(exc)) from None
 

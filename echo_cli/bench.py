@@ -1,4 +1,5 @@
-"""`echo-rl bench sampler`: our batched llama.cpp sampler against llama-cpp-python's own API.
+"""`echo-rl bench sampler`: our batched llama.cpp sampler against llama-cpp-python's own API;
+`echo-rl bench engines`: the worker's engines on CPU and GPU side by side.
 
 Both run the same F16 GGUF (written from the learner's float weights), the same prompts, the same
 number of completions, the same token budget, temperature 1 and the same thread count, in one process
@@ -100,6 +101,76 @@ def run_sampler_bench(
     Console().print(table)
     Console().print(f"ratio: [bold]{result['ratio']:.2f}x[/]")
     return result
+
+
+ENGINES = {  # name: (engine, gpu_layers, device)
+    "llamacpp-cpu": ("llamacpp", 0, "cpu"),
+    "llamacpp-gpu": ("llamacpp", -1, "cpu"),
+    "transformers-cpu": ("transformers", 0, "cpu"),
+    "transformers-cuda": ("transformers", 0, "cuda"),
+}
+
+
+def run_engines_bench(
+    names: list[str], model: str, prompts: int, group_size: int, max_new_tokens: int, threads: int,
+    max_batch: int, cache_dir: str, json_out: bool,
+) -> list[dict]:  # fmt: skip
+    """Worker tokens/s of each engine on the same prompts, draws and token budget, one after the other
+    in one process: llama.cpp on the CPU and offloaded to its GPU backend, transformers on CPU and CUDA.
+    An engine this machine cannot run (no GPU backend, no CUDA) is reported as such, not measured."""
+    import torch
+
+    from learner.tasks import make_task
+    from learner.train.models import load_policy, model_spec
+    from learner.train.wire_weights import wire_tensors
+    from p2p.config import ConfigError
+    from p2p.messages import GenerationRequest, SamplingParams
+    from worker.engines import make_engine
+    from worker.engines.llamacpp import gpu_backend
+
+    unknown = [n for n in names if n not in ENGINES]
+    if unknown:
+        raise ConfigError(f"--engines: unknown {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
+    policy = load_policy(model, cache_dir)
+    spec, tensors = model_spec(policy), wire_tensors(policy.model)
+    rng = random.Random(0)
+    task = make_task("arithmetic")
+    requests = [GenerationRequest(policy.render_prompt(task.sample(rng).prompt), group_size, k) for k in range(prompts)]
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=0)
+    available = {"llamacpp-gpu": bool(gpu_backend()), "transformers-cuda": torch.cuda.is_available()}
+    results = []
+    for name in names:
+        engine_name, gpu_layers, device = ENGINES[name]
+        if not available.get(name, True):
+            results.append({"engine": name, "tokens_per_s": None, "note": "not available on this machine"})
+            continue
+        engine = make_engine(
+            engine_name, tempfile.mkdtemp(prefix="echo-bench-"), threads, max_batch, gpu_layers, device
+        )
+        engine.load_policy(spec, tensors)
+        engine.generate(requests[:1], SamplingParams(1.0, 1.0, 4, 0))  # warm-up: context, kernels
+        t = time.perf_counter()
+        groups = engine.generate(requests, params)
+        seconds = time.perf_counter() - t
+        tokens = sum(len(c.tokens) for g in groups for c in g)
+        results.append({"engine": name, "tokens": tokens, "seconds": round(seconds, 3),
+                        "tokens_per_s": round(tokens / seconds, 1), "backend": engine.backend()})  # fmt: skip
+        if hasattr(engine, "close"):
+            engine.close()
+    if json_out:
+        print(json.dumps(results))
+        return results
+    table = Table(title=f"worker engines, {model}, {prompts} prompts x {group_size}, <= {max_new_tokens} tokens")
+    for col in ("engine", "runs on", "completion tokens", "seconds", "tokens/s"):
+        table.add_column(col, justify="left" if col in ("engine", "runs on") else "right")
+    for r in results:
+        if r["tokens_per_s"] is None:
+            table.add_row(r["engine"], r["note"], "-", "-", "-")
+        else:
+            where = " ".join(str(v) for k, v in r["backend"].items() if k in ("backend", "gpu"))
+            table.add_row(r["engine"], where, str(r["tokens"]), f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.1f}")
+    Console().print(table)
+    return results
 
 
 def run_codec_bench(model: str, lrs: list[float], steps: int, cache_dir: str, json_out: bool) -> list[dict]:

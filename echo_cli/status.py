@@ -43,6 +43,7 @@ def render(doc: dict) -> Group:
     rows = [
         ("step", f"{doc['step']} / {doc['steps']}  (newest version published: {doc['version_published']})"),
         ("mode", f"{doc['mode']}, staleness S={doc['staleness']}, publish every {doc['publish_every']}"),
+        ("learner", learner_line(doc)),
         ("utilisation", "-" if util is None else f"{util:.0%}"),
         ("reward (last step)", "-" if reward is None else f"{reward:.3f}"),
         (
@@ -60,6 +61,7 @@ def render(doc: dict) -> Group:
     columns = ("peer", "address", "state", "$/h", "ver", "lag", "newest", "tok/s", "leases", "groups")
     for col in (*columns, "refused", "stale", "seen"):
         peers.add_column(col, justify="left" if col in ("peer", "address", "state") else "right", no_wrap=True)
+    peers.add_column("runs on", overflow="fold")
     notes = []
     for p in doc["peers"]:
         active = p.get("active", True)
@@ -72,11 +74,20 @@ def render(doc: dict) -> Group:
             "[red]flagged[/]" if p.get("flagged") else "active" if active else "[yellow]inactive[/]",
             f"{p['price']:.2f}", str(p["version"]), "-" if p["version_lag"] is None else str(p["version_lag"]),
             f"{p['newest_share']:.0%}", f"{p['tokens_per_s']:.0f}", str(p["open_leases"]), str(p["groups_accepted"]),
-            str(p["refused"]), str(p.get("stale_dropped", 0)), f"{p['last_seen_s']:.0f}s",
+            str(p["refused"]), str(p.get("stale_dropped", 0)), f"{p['last_seen_s']:.0f}s", p.get("hardware") or "-",
         )  # fmt: skip
     if notes:
         peers.caption = "; ".join(notes)
     return Group(run, peers)
+
+
+def learner_line(doc: dict) -> str:
+    """Where the learner trains and its newest step's memory: peak of the training phase, resident now."""
+    line = doc.get("device") or "-"
+    memory = doc.get("memory_gib") or {}
+    if "peak_train" in memory:
+        line += f"; memory: {memory['peak_train']:.1f} GiB peak in training, {memory['resident']:.1f} GiB resident"
+    return line
 
 
 def verification_line(doc: dict) -> str:

@@ -15,7 +15,7 @@ import numpy as np
 
 from learner.config import LearnerConfig
 from learner.orchestrate.rollouts import Rollout, has_signal, score_groups, step_seed
-from learner.run import batch_metrics, open_run
+from learner.run import Phases, batch_metrics, open_run
 from learner.train.models import model_spec
 from learner.train.wire_weights import wire_tensors
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams
@@ -39,7 +39,7 @@ def train_colocated(cfg: LearnerConfig, engine: Sampler, resume: bool = False) -
     engine.load_policy(spec, wire_tensors(policy.model))
     t_run = time.perf_counter() - run.wall_offset
     for step in range(run.start_step + 1, cfg.run.steps + 1):
-        seconds: dict[str, float] = {}
+        phases = Phases(run.world.device)  # seconds and peak memory of generate, score, train, export
 
         # 1-3. prompts chosen by the learner and seeded by (seed, step); G completions each with the
         #      current policy (version step - 1); rewards scored here, advantages normalised per group.
@@ -55,31 +55,29 @@ def train_colocated(cfg: LearnerConfig, engine: Sampler, resume: bool = False) -
                 cfg.sampler.max_new_tokens,
                 step_seed(cfg.run.seed + 1 + round_, step),
             )
-            tick = time.perf_counter()
-            groups = engine.generate(
-                [GenerationRequest(p, cfg.grpo.group_size, k) for k, p in enumerate(prompts)], params
-            )
-            seconds["generate"] = seconds.get("generate", 0.0) + time.perf_counter() - tick
-            tick = time.perf_counter()
-            scored += score_groups(task, policy, problems, prompts, groups, version=step - 1)
-            seconds["score"] = seconds.get("score", 0.0) + time.perf_counter() - tick
+            with phases("generate"):
+                groups = engine.generate(
+                    [GenerationRequest(p, cfg.grpo.group_size, k) for k, p in enumerate(prompts)], params
+                )
+            with phases("score"):
+                scored += score_groups(task, policy, problems, prompts, groups, version=step - 1)
             if sum(map(has_signal, scored)) >= cfg.grpo.prompts_per_step:
                 break
         batch = scored
         if cfg.grpo.dynamic_sampling:
             batch = [g for g in scored if has_signal(g)][: cfg.grpo.prompts_per_step]
-        tick = time.perf_counter()
 
         # 4. one optimizer step
-        stats = trainer.step([r for g in batch for r in g])
-        seconds["train"], tick = time.perf_counter() - tick, time.perf_counter()
+        with phases("train"):
+            stats = trainer.step([r for g in batch for r in g])
 
         # 5. hand the new weights to the sampler (LoRA: only the adapters, hot-swapped on the base)
-        if stats["trained_tokens"] and cfg.model.lora_rank:
-            engine.load_adapters(spec, wire_tensors(policy.model, adapter_only=True))
-        elif stats["trained_tokens"]:
-            engine.load_policy(spec, wire_tensors(policy.model))
-        seconds["export"] = time.perf_counter() - tick
+        with phases("export"):
+            if stats["trained_tokens"] and cfg.model.lora_rank:
+                engine.load_adapters(spec, wire_tensors(policy.model, adapter_only=True))
+            elif stats["trained_tokens"]:
+                engine.load_policy(spec, wire_tensors(policy.model))
+        seconds = phases.seconds
 
         record = {
             "step": step,
@@ -88,6 +86,7 @@ def train_colocated(cfg: LearnerConfig, engine: Sampler, resume: bool = False) -
             "gen_tokens_per_s": sum(len(r.completion_ids) for g in scored for r in g) / max(seconds["generate"], 1e-9),
             "utilisation": seconds["train"] / sum(seconds.values()),  # the learner trains, then waits for itself
             "seconds": {k: round(v, 4) for k, v in seconds.items()},
+            "memory_gib": phases.memory(run),
         }
         run.record(step, record)
         yield record

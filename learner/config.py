@@ -7,10 +7,13 @@ Each field's docstring is its help text. Every default runs.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from p2p.config import require
+
+DEVICE_NAMES = re.compile(r"auto|cpu|cuda(:\d+)?")  # what --device accepts (learner.train.devices)
 
 
 @dataclass
@@ -49,9 +52,20 @@ class ModelConfig:
     """Train rank-r LoRA adapters on every projection, base frozen (0 = all weights); versions ship adapters only."""
     lora_alpha: float = 16.0
     """LoRA scale numerator: an adapter adds (lora_alpha / lora_rank) * B A to its weight."""
+    device: str = "auto"
+    """Where the policy, its batches, the KL reference and the verifier live: auto (cuda if any), cpu, cuda, cuda:N."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16: matmuls in bfloat16 (autocast; FSDP2 mixed precision with several ranks), fp32 weights and AdamW."""
+    grad_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass: less memory for about a third more compute."""
 
     def validate(self) -> None:
         require(bool(self.model), "model.model", "must not be empty")
+        require(
+            DEVICE_NAMES.fullmatch(self.device) is not None,
+            "model.device",
+            f"must be auto, cpu, cuda or cuda:N, got {self.device!r}",
+        )
         require(self.lora_rank >= 0, "model.lora_rank", f"must be >= 0 (0 trains all weights), got {self.lora_rank}")
         require(self.lora_alpha > 0, "model.lora_alpha", f"must be > 0, got {self.lora_alpha}")
 
@@ -147,6 +161,8 @@ class SamplerConfig:
     """CPU threads for generation."""
     max_batch: int = 32
     """Sequences decoded together (must be >= group_size)."""
+    gpu_layers: int = -1
+    """Co-located llama.cpp: layers offloaded to the GPU (-1: all when llama.cpp has a GPU backend, else 0)."""
 
     def validate(self) -> None:
         require(self.temperature > 0, "sampler.temperature", f"must be > 0, got {self.temperature}")
@@ -154,6 +170,7 @@ class SamplerConfig:
         require(self.max_new_tokens >= 1, "sampler.max_new_tokens", "must be >= 1")
         require(self.threads >= 1, "sampler.threads", "must be >= 1")
         require(self.max_batch >= 1, "sampler.max_batch", "must be >= 1")
+        require(self.gpu_layers >= -1, "sampler.gpu_layers", f"must be >= -1 (-1: all), got {self.gpu_layers}")
 
 
 @dataclass
@@ -172,6 +189,8 @@ class SwarmConfig:
     """Every this many publications is a full snapshot; the others are XOR deltas of the 16-bit weights."""
     wire_dtype: Literal["bf16", "f16"] = "f16"
     """16-bit format of published weights: f16 (exactly what the workers' F16 GGUF holds) or bf16 (smaller deltas)."""
+    chunk_memory_mb: int = 256
+    """Published chunks kept in memory, MB; older ones are served from RUN_DIR/chunks on disk."""
     lease_timeout: float = 120.0
     """Seconds a worker has to return a lease before its prompts are leased to another worker."""
     groups_per_lease: int = 1
@@ -210,6 +229,7 @@ class SwarmConfig:
         require(self.staleness >= 0, "swarm.staleness", f"must be >= 0, got {self.staleness}")
         require(self.publish_every >= 1, "swarm.publish_every", "must be >= 1")
         require(self.full_every >= 1, "swarm.full_every", "must be >= 1")
+        require(self.chunk_memory_mb >= 0, "swarm.chunk_memory_mb", f"must be >= 0, got {self.chunk_memory_mb}")
         require(self.lease_timeout > 0, "swarm.lease_timeout", "must be > 0")
         require(self.groups_per_lease >= 1, "swarm.groups_per_lease", "must be >= 1")
         require(self.prefetch_batches >= 1, "swarm.prefetch_batches", "must be >= 1")

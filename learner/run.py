@@ -6,10 +6,12 @@ between leaves only lines that --resume trims. RUN_DIR/config.json holds the run
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,16 @@ from learner.orchestrate.rollouts import Rollout, has_signal
 from learner.tasks import Task, make_task
 from learner.train.checkpoint import list_checkpoints, load_trainer_state, load_weights, save_checkpoint
 from learner.train.data_parallel import World, shard
+from learner.train.devices import (
+    bound_heap_growth,
+    current_gib,
+    describe_device,
+    enable_grad_checkpointing,
+    give_back_freed_memory,
+    peak_memory,
+    resolve_device,
+    training_state_gib,
+)
 from learner.train.lora import add_lora
 from learner.train.models import Policy, load_policy
 from learner.train.trainer import GRPOTrainer, frozen_copy
@@ -71,10 +83,13 @@ class Run:
         return False
 
 
-def open_run(cfg: LearnerConfig, resume: bool, world: World = World()) -> Run:
-    """Load the policy and task; on --resume restore the newest checkpoint. Never overwrites a run.
-    With several ranks the model is sharded (learner.train.data_parallel) after its weights are loaded."""
+def open_run(cfg: LearnerConfig, resume: bool, world: World | None = None) -> Run:
+    """Load the policy and task onto this rank's device; on --resume restore the newest checkpoint. Never
+    overwrites a run. With several ranks the model is sharded (learner.train.data_parallel) after its
+    weights are loaded. `world`: this process's rank and device (one process on --device if None)."""
+    world = world or World(device=resolve_device(cfg.model.device))
     torch.set_flush_denormal(True)
+    bound_heap_growth(saving_memory=cfg.model.grad_checkpointing)
     run_dir = Path(cfg.run.run_dir)
     metrics_path = run_dir / "metrics.jsonl"
     checkpoints = list_checkpoints(run_dir)
@@ -88,6 +103,7 @@ def open_run(cfg: LearnerConfig, resume: bool, world: World = World()) -> Run:
     if cfg.model.lora_rank:
         add_lora(policy.model, cfg.model.lora_rank, cfg.model.lora_alpha)
         policy.lora_rank, policy.lora_alpha = cfg.model.lora_rank, cfg.model.lora_alpha
+    policy.model.to(world.device)
     task = make_task(cfg.task.task, cfg.task.task_args)
     if world.size > 1 and cfg.grpo.beta > 0:
         raise ConfigError("grpo.beta > 0 (a reference model) is not supported with several ranks yet: use beta = 0")
@@ -105,18 +121,61 @@ def open_run(cfg: LearnerConfig, resume: bool, world: World = World()) -> Run:
             )
         state = load_weights(checkpoints[-1], policy.model)
         start_step, wall_offset = state["step"], state["wall_s"]
-    shard(policy.model, world)
-    trainer = GRPOTrainer(policy.model, cfg.grpo, cfg.sampler.temperature, world, cfg.sampler.top_p, reference)
+    if cfg.model.grad_checkpointing:
+        enable_grad_checkpointing(policy.model)
+    shard(policy.model, world, cfg.model.precision)
+    trainer = GRPOTrainer(
+        policy.model, cfg.grpo, cfg.sampler.temperature, world, cfg.sampler.top_p, reference, cfg.model.precision
+    )
     if resume:
         load_trainer_state(checkpoints[-1], policy.model, trainer.optimizer)
         if world.leader:
             truncate_metrics(metrics_path, start_step)
         log.info("resumed from %s at step %d", checkpoints[-1], start_step)
+    log.info(
+        "training on %s in %s%s", describe_device(world.device), cfg.model.precision,
+        ", gradient checkpointing" if cfg.model.grad_checkpointing else "",
+    )  # fmt: skip
     tensorboard = None
     if world.leader:
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
         tensorboard = open_tensorboard(cfg, run_dir)
     return Run(cfg, run_dir, policy, task, trainer, start_step, wall_offset, tensorboard, world)
+
+
+class Phases:
+    """Wall seconds and peak memory of each phase of a step: `with phases("train"): ...`.
+
+    The heap a phase freed is given back to the OS as it ends (learner.train.devices.give_back_freed_memory).
+    A phase entered twice (dynamic sampling's generation rounds) adds its seconds and keeps its highest
+    peak. CPU peaks are the process's resident set (other threads included: the swarm learner's
+    handlers verify while it trains), CUDA peaks torch's allocator on the training device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self.peak_gib: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        tick = time.perf_counter()
+        with peak_memory(self.device) as peak:
+            yield
+        give_back_freed_memory()  # what the phase freed is not held into the next one
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - tick
+        self.peak_gib[name] = max(self.peak_gib.get(name, 0.0), round(peak["peak_gib"], 3))
+
+    def memory(self, run: Run, **held_gib: float) -> dict[str, float]:
+        """The step's memory record: each phase's peak, what the training state holds, `held_gib` (other
+        components: the verifier's versions, the chunk store...) and the resident set now, GiB."""
+        parts = {**training_state_gib(run.policy.model, run.trainer.optimizer), **held_gib}
+        if run.trainer.reference is not None:
+            parts["reference"] = sum(p.numel() * p.element_size() for p in run.trainer.reference.parameters()) / 2**30
+        return {
+            **{f"peak_{name}": gib for name, gib in self.peak_gib.items()},
+            **{name: round(gib, 4) for name, gib in parts.items()},
+            "resident": round(current_gib(), 3),
+        }
 
 
 def open_tensorboard(cfg: LearnerConfig, run_dir: Path) -> Any:

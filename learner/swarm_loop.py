@@ -30,7 +30,7 @@ from learner.orchestrate.handlers import LearnerService
 from learner.orchestrate.journal import JournalState, RolloutJournal, group_of, read_journal
 from learner.orchestrate.publisher import Publisher
 from learner.orchestrate.verify import RolloutVerifier
-from learner.run import Run, batch_metrics, open_run
+from learner.run import Phases, Run, batch_metrics, open_run
 from learner.train.data_parallel import full_state, init_world, leave
 from learner.train.models import model_spec
 from p2p.auth import AUTH, SwarmAuth, read_allow_list, read_secret
@@ -60,7 +60,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
     Under torchrun, rank 0 runs this loop and the other ranks `follow` it (learner.train.data_parallel)."""
     secret = read_secret(cfg.swarm.secret_file) if cfg.swarm.secret_file else None
     allow = read_allow_list(cfg.swarm.allow) if cfg.swarm.allow else None
-    world = init_world()
+    world = init_world(cfg.model.device)
     run = open_run(cfg, resume, world)
     if not world.leader:
         follow(run)
@@ -81,7 +81,8 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
         auth = SwarmAuth(host.peer_id, secret, allow)
         host.gate = auth.allows
         host.handle(AUTH, auth.on_auth, guarded=False)
-        seeder = Seeder(host, ChunkStore(spill_dir=run.run_dir / "chunks", memory_budget=1 << 30))
+        store = ChunkStore(spill_dir=run.run_dir / "chunks", memory_budget=cfg.swarm.chunk_memory_mb << 20)
+        seeder = Seeder(host, store)
         publisher = Publisher(
             seeder,
             run_id=secrets.token_hex(8),
@@ -99,7 +100,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
             cfg.sampler.temperature, cfg.sampler.top_p, swarm.verify_first, swarm.verify_fraction,
             swarm.verify_tolerance, swarm.verify_draw_tolerance,
             lora_scale=cfg.model.lora_alpha / max(cfg.model.lora_rank, 1),
-            keep=swarm.staleness + swarm.publish_every + 1,
+            keep=swarm.staleness + swarm.publish_every + 1, device=world.device,
         )  # fmt: skip
         service = LearnerService(
             seeder, cfg, policy, run.task, model_spec(policy), publisher.run_id, journal, verifier, resumed
@@ -134,40 +135,40 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
 
         t_run = time.perf_counter() - run.wall_offset
         for step in range(run.start_step + 1, cfg.run.steps + 1):
-            seconds: dict[str, float] = {}
-            tick = time.perf_counter()
+            phases = Phases(world.device)  # seconds and peak memory of wait, train, publish
 
             # 1. wait for a batch: P groups generated within the staleness bound (with dynamic sampling:
             #    P groups with signal, plus the groups set aside without it, which count in the metrics)
             stale: list[int] = []
-            if step in replay:  # journaled before the learner stopped: the same groups again
-                batch, set_aside = (
-                    [group_of(resumed.groups[g]) for g in replay[step][k]] for k in ("batch", "set_aside")
-                )
-            else:
-                taken = None
-                while taken is None:
-                    taken = service.buffer.take(grpo.prompts_per_step, version, timeout=1.0)
-                    service.leases.expire()
-                batch, set_aside = taken
-                stale = journal.step(step, batch, set_aside)
-            seconds["wait"], tick = time.perf_counter() - tick, time.perf_counter()
+            with phases("wait"):
+                if step in replay:  # journaled before the learner stopped: the same groups again
+                    batch, set_aside = (
+                        [group_of(resumed.groups[g]) for g in replay[step][k]] for k in ("batch", "set_aside")
+                    )
+                else:
+                    taken = None
+                    while taken is None:
+                        taken = service.buffer.take(grpo.prompts_per_step, version, timeout=1.0)
+                        service.leases.expire()
+                    batch, set_aside = taken
+                    stale = journal.step(step, batch, set_aside)
 
             # 2. one optimizer step on them. The version moves on before the step: leases handed out
             #    from now on are measured against it (in pull mode: none until it is published)
             version = step
             service.advance(version)
-            stats = trainer.step(world.broadcast([r for g in batch for r in g.rollouts]))
-            seconds["train"], tick = time.perf_counter() - tick, time.perf_counter()
+            with phases("train"):
+                stats = trainer.step(world.broadcast([r for g in batch for r in g.rollouts]))
 
             # 3. publish every kappa steps: snapshot the weights here (the next step changes them), encode,
             #    sign and seed in the background. One publication at a time: a delta needs the one before
             if version % cfg.swarm.publish_every == 0:
-                if pending is not None:
-                    pending.result()  # also raises if it failed
-                service.encoding(version)
-                pending = publishing.submit(publish, version, snapshot())
-                seconds["publish"] = time.perf_counter() - tick
+                with phases("publish"):
+                    if pending is not None:
+                        pending.result()  # also raises if it failed
+                    service.encoding(version)
+                    pending = publishing.submit(publish, version, snapshot())
+            seconds = phases.seconds
             step_s = sum(seconds.values())
 
             decisions = service.schedule(step, seconds["train"], step_s, trained=stats["trained_tokens"] > 0)
@@ -196,6 +197,12 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                 "bcast_s": {str(v): round(s, 2) for v, s in sorted(service.versions.bcast_seconds.items())[-3:]},
                 "version_bytes": {str(v): b for v, b in sorted(service.versions.payload_bytes.items())[-3:]},
                 "seconds": {k: round(v, 4) for k, v in seconds.items()},
+                "memory_gib": phases.memory(
+                    run,
+                    verifier=verifier.held_gib(),
+                    chunk_store=seeder.store.memory_used / 2**30,
+                    publisher=publisher.held_gib(),
+                ),  # fmt: skip
                 "batch_groups": [g.group_id for g in batch],
                 "set_aside_groups": [g.group_id for g in set_aside],
                 "stale_groups": stale,

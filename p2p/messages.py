@@ -127,6 +127,21 @@ class LeaseRequest:
         return cls(_int(msg, "version", -1, MAX_VERSION), _int({"max_groups": 1} | msg, "max_groups", 1, 1 << 16))
 
 
+def describe_hardware(hardware: dict) -> str:
+    """One bounded line from a worker's declared hardware (untrusted input: only known keys, short values),
+    e.g. "llamacpp on cuda NVIDIA GeForce RTX 4090 (24564 MB), 2 threads, x86_64 (16 cores)"."""
+
+    def count(key: str) -> int | str:
+        value = hardware.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 20 else "?"
+
+    engine, machine = str(hardware.get("engine", "?"))[:16], str(hardware.get("machine", "?"))[:16]
+    where = str(hardware.get("backend", "cpu"))[:16]
+    if hardware.get("gpu"):
+        where += f" {str(hardware['gpu'])[:32]} ({count('gpu_mem_mb')} MB)"
+    return f"{engine} on {where}, {count('threads')} threads, {machine} ({count('cores')} cores)"
+
+
 @dataclass(frozen=True)
 class Heartbeat:
     """/echo/heartbeat/1: what a worker holds, how fast it is, what it costs and what it runs on."""
@@ -136,7 +151,7 @@ class Heartbeat:
     price: float = 0.0
     hardware: dict = field(default_factory=dict)  # short strings and small integers only
 
-    HARDWARE_KEYS = ("engine", "threads", "max_batch", "machine", "cores")
+    HARDWARE_KEYS = ("engine", "threads", "max_batch", "machine", "cores", "backend", "gpu", "gpu_mem_mb", "gpu_layers")
 
     def to_wire(self) -> dict:
         return {

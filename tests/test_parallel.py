@@ -20,22 +20,45 @@ def run(cmd: list[str], tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
 
 
-def test_two_ranks_train_like_one_process(tmp_path):
-    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+def torchrun(ranks: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+
+
+def test_two_ranks_and_one_sharded_rank_train_like_one_process(tmp_path):
+    """FSDP2 over two ranks, and over one (torchrun --nproc-per-node 1: sharded, in a process group)."""
+    one = tmp_path / "one.pt"
     run([sys.executable, "tests/dp_steps.py", str(one)], tmp_path)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    run([*torchrun, "tests/dp_steps.py", str(two)], tmp_path)
-    a, b = torch.load(one), torch.load(two)
-    assert set(a["state"]) == set(b["state"])
+    a = torch.load(one)
     init = tiny_policy(0).model.state_dict()
     moved = max(float((t - init[name]).abs().max()) for name, t in a["state"].items())
     assert moved > 1e-3  # training moved the weights far beyond the tolerance below
-    for name, t in a["state"].items():
-        assert torch.allclose(t, b["state"][name], atol=1e-5, rtol=1e-4), name
+    for ranks in (2, 1):
+        out = tmp_path / f"ranks{ranks}.pt"
+        run([*torchrun(ranks), "tests/dp_steps.py", str(out)], tmp_path)
+        b = torch.load(out)
+        assert set(a["state"]) == set(b["state"])
+        for name, t in a["state"].items():
+            assert torch.allclose(t, b["state"][name], atol=1e-5, rtol=1e-4), name
+        for sa, sb in zip(a["stats"], b["stats"], strict=True):
+            assert sa["trained_tokens"] == sb["trained_tokens"]
+            for key in ("loss", "grad_norm", "clip_frac"):
+                assert abs(sa[key] - sb[key]) < 1e-4 * max(1.0, abs(sa[key])), key
+
+
+def test_two_ranks_train_in_bf16_mixed_precision(tmp_path):
+    """FSDP2's MixedPrecisionPolicy: bf16 compute, float32 master weights that move as in float32."""
+    fp32, bf16 = tmp_path / "fp32.pt", tmp_path / "bf16.pt"
+    run([sys.executable, "tests/dp_steps.py", str(fp32)], tmp_path)
+    run([*torchrun(2), "tests/dp_steps.py", str(bf16), "bf16"], tmp_path)
+    a, b = torch.load(fp32), torch.load(bf16)
+    init = tiny_policy(0).model.state_dict()
+    assert all(t.dtype == torch.float32 for t in b["state"].values())
     for sa, sb in zip(a["stats"], b["stats"], strict=True):
-        assert sa["trained_tokens"] == sb["trained_tokens"]
-        for key in ("loss", "grad_norm", "clip_frac"):
-            assert abs(sa[key] - sb[key]) < 1e-4 * max(1.0, abs(sa[key])), key
+        assert sb["skipped_updates"] == 0 and abs(sa["loss"] - sb["loss"]) < 0.05 * max(1.0, abs(sa["loss"]))
+    # every weight the float32 run moved, the bf16 run moved the same way
+    delta_a = torch.cat([(t - init[n]).flatten() for n, t in a["state"].items()])
+    delta_b = torch.cat([(b["state"][n] - init[n]).flatten() for n in a["state"]])
+    assert float(torch.nn.functional.cosine_similarity(delta_a, delta_b, dim=0)) > 0.9
 
 
 def test_torchrun_learner_trains_with_remote_workers_and_resumes(swarm):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,6 +21,10 @@ class WorkerConfig:
     """CPU threads for generation."""
     max_batch: int = 32
     """Sequences decoded together."""
+    gpu_layers: int = -1
+    """llama.cpp: layers offloaded to the GPU (-1: all when llama.cpp was built with a GPU backend, else 0)."""
+    device: str = "auto"
+    """transformers engine: auto (cuda when torch sees a GPU), cpu, cuda or cuda:N."""
     max_groups: int = 4
     """Most prompt groups to ask for in one lease."""
     price: float = 0.0
@@ -39,6 +44,9 @@ class WorkerConfig:
         require(self.threads >= 1, "worker.threads", "must be >= 1")
         require(self.max_batch >= 1, "worker.max_batch", "must be >= 1")
         require(self.max_groups >= 1, "worker.max_groups", "must be >= 1")
+        require(self.gpu_layers >= -1, "worker.gpu_layers", f"must be >= -1 (-1: all), got {self.gpu_layers}")
+        require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "worker.device",
+                f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")  # fmt: skip
         require(self.price >= 0, "worker.price", "must be >= 0")
         require(self.listen.startswith("/"), "worker.listen", "must be a multiaddr")
 

@@ -45,6 +45,7 @@ from p2p.messages import (
     RolloutReply,
     RolloutSubmission,
     SpecReply,
+    describe_hardware,
 )
 from p2p.versions import tensors_of
 from p2p.weights import to_float32
@@ -100,7 +101,11 @@ class WorkerDaemon:
             log.info("store: %d versions, %d chunks kept, %d corrupt or truncated chunks deleted (fetched again)",
                      found["versions"], found["chunks"], found["corrupt"])  # fmt: skip
         self.peer = BroadcastPeer(self.host, store, cfg.learner)
-        self.engine = make_engine(cfg.engine, work_dir / "engine", cfg.threads, cfg.max_batch)
+        self.engine = make_engine(
+            cfg.engine, work_dir / "engine", cfg.threads, cfg.max_batch, cfg.gpu_layers, cfg.device
+        )
+        self.hardware |= self.engine.backend()  # cpu, or the GPU backend, GPU name and memory
+        log.info("engine %s on %s", cfg.engine, describe_hardware(self.hardware))
         backoff = 1.0
         try:
             while not self.stop.is_set():

@@ -22,11 +22,13 @@ from learner.orchestrate.leases import LeaseTable
 from learner.orchestrate.replay import ReplayBuffer
 from learner.orchestrate.verify import RolloutVerifier
 from learner.orchestrate.versions import PolicyVersions
-from learner.orchestrate.workers import WorkerRecord, describe_hardware
+from learner.orchestrate.workers import WorkerRecord
 from learner.plan.admission import LeaseAdmission
 from learner.plan.scheduler import Decision, Scheduler, SchedulerConfig
 from learner.tasks import Task
+from learner.train.devices import describe_device
 from learner.train.models import Policy
+from learner.train.trainer import model_device
 from p2p.broadcast import Seeder
 from p2p.host import BadRequest, Misbehaviour
 from p2p.messages import (
@@ -44,6 +46,7 @@ from p2p.messages import (
     ModelSpec,
     SamplingParams,
     SpecReply,
+    describe_hardware,
 )
 
 log = logging.getLogger(__name__)
@@ -91,6 +94,9 @@ class LearnerService:
         )
         self.versions = PolicyVersions(swarm.publish_every)
         self.prompts = PromptBook(task, policy, cfg.run.seed)
+        device = model_device(policy.model)
+        self.device = f"{describe_device(device)}, {cfg.model.precision}" + (
+            ", gradient checkpointing" if cfg.model.grad_checkpointing else "")  # fmt: skip
         self.intake = RolloutIntake(
             cfg, spec.vocab_size, self.prompts, self.versions, self.leases, verifier, journal, self.buffer,
             self.scheduler, self._sched_lock,
@@ -283,6 +289,8 @@ class LearnerService:
             "mode": swarm.sync_mode,
             "staleness": swarm.staleness,
             "publish_every": swarm.publish_every,
+            "device": self.device,
+            "memory_gib": last.get("memory_gib"),
             "utilisation": last.get("utilisation"),
             "reward": last.get("reward_mean"),
             "buffer": self.buffer.held,

@@ -52,6 +52,10 @@ class Publisher:
         self.previous: tuple[int, bytes] | None = None  # (version, raw bf16 bytes) of the last publication
         self.last_full: int | None = None  # the newest full snapshot
 
+    def held_gib(self) -> float:
+        """Memory held: the raw 16-bit bytes of the last publication (the next delta's base), GiB."""
+        return len(self.previous[1]) / 2**30 if self.previous else 0.0
+
     def snapshot(self, model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, np.ndarray]:
         """The model's weights in the wire format (see wire_tensors); LoRA runs: adapters only after the base."""
         return wire_tensors(model, self.dtype, self.lora and self.base is not None, state)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from learner.orchestrate.rollouts import Rollout
-from learner.train.trainer import nucleus_masks, pack_completions
+from learner.train.trainer import model_device, nucleus_masks, pack_completions
 from p2p.draws import uniforms
 from p2p.messages import is_adapter
 from p2p.weights import lora_deltas, to_float32
@@ -71,7 +71,7 @@ def replay_sampling(
     mu = softmax(logits / T) restricted to the top-p nucleus and renormalised, as worker.sampling draws
     it (-inf outside), in float64.
     """
-    ids, mask, rows_t, cols_t = pack_completions(batch)  # [B, T], [B, T], [N], [N]
+    ids, mask, rows_t, cols_t = pack_completions(batch, model_device(model))  # [B, T], [B, T], [N], [N]
     # the output layer only at completion positions (as learner.train.trainer.completion_logprobs)
     out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1)
     hidden = out.hidden_states[-1][rows_t, cols_t]  # [N, H]
@@ -88,16 +88,16 @@ def replay_sampling(
             lp = lp - torch.logsumexp(lp, dim=-1, keepdim=True)  # [n, V] renormalised over the nucleus
             lp_rows.append(lp.gather(1, t)[:, 0])
             if u is None:
-                miss_rows.append(torch.zeros(len(t), dtype=torch.float64))
+                miss_rows.append(torch.zeros(len(t), dtype=torch.float64, device=ids.device))
                 continue
             probs = lp.exp()
             high = probs.cumsum(-1).gather(1, t)[:, 0]  # C(t)
             low = high - probs.gather(1, t)[:, 0]  # C(t - 1)
-            ub = u[block].to(torch.float64) * probs.sum(-1)  # the sampler scales u by its row's total
+            ub = u[block].to(ids.device, torch.float64) * probs.sum(-1)  # the sampler scales u by its row's total
             miss_rows.append(torch.clamp(torch.maximum(low - ub, ub - high), min=0.0))
         logprobs.append(torch.stack(lp_rows))
         misses.append(torch.stack(miss_rows))
-    return torch.cat(logprobs, dim=1), torch.cat(misses, dim=1)  # [K, N] each
+    return torch.cat(logprobs, dim=1).cpu(), torch.cat(misses, dim=1).cpu()  # [K, N] each
 
 
 def divergence(reported: list[float], recomputed: torch.Tensor) -> float:
@@ -126,8 +126,10 @@ class RolloutVerifier:
     def __init__(
         self, make_model, temperature: float, top_p: float, first: int, fraction: float, tolerance: float,
         draw_tolerance: float, lora_scale: float = 0.0, keep: int = 4, new_fraction: float = 0.5,
+        device: torch.device | str = "cpu",
     ) -> None:  # fmt: skip
         self.make_model = make_model  # () -> a float32 torch model of the policy's architecture (no LoRA)
+        self.device = torch.device(device)  # where the replay runs (the learner's device)
         self.temperature, self.top_p = temperature, top_p
         self.first, self.fraction, self.tolerance = first, fraction, tolerance
         self.draw_tolerance = draw_tolerance
@@ -158,6 +160,13 @@ class RolloutVerifier:
             for old in sorted(self.versions)[: -self.keep]:
                 if old not in bases:
                     del self.versions[old]
+
+    def held_gib(self) -> float:
+        """Memory held: the kept versions' wire tensors and the float32 replay model, GiB."""
+        with self._lock:
+            kept = sum(a.nbytes for tensors, _ in self.versions.values() for a in tensors.values())
+            model = sum(p.numel() * p.element_size() for p in self._model.parameters()) if self._model else 0
+        return (kept + model) / 2**30
 
     def wants(self, worker: str) -> bool:
         """Whether to verify this group of `worker`: an independent draw from the OS's randomness."""
@@ -217,7 +226,7 @@ class RolloutVerifier:
         weights = merged_weights(self.versions[base][0], tensors, self.lora_scale) if base is not None else (
             merged_weights(tensors, None, 0.0))  # fmt: skip
         if self._model is None:
-            self._model = self.make_model().float().eval().requires_grad_(False)
+            self._model = self.make_model().float().to(self.device).eval().requires_grad_(False)
         missing, unexpected = self._model.load_state_dict(weights, strict=False)
         if unexpected or [m for m in missing if m != "lm_head.weight"]:
             raise RuntimeError(f"verifier weights do not fit the model: {unexpected[:3]} {missing[:3]}")

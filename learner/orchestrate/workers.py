@@ -18,7 +18,7 @@ class WorkerRecord:
     last_seen: float = field(default_factory=time.monotonic)
     groups_accepted: int = 0
     refused: int = 0
-    hardware: str = ""  # what it declared it runs on, e.g. "llamacpp, 2 threads, x86_64 (8 cores)"
+    hardware: str = ""  # what it declared it runs on (p2p.messages.describe_hardware)
 
     def row(self, learner_version: int, now: float, active: bool) -> dict[str, Any]:
         """The fields both the status document (docs/status.md) and each step's metrics show."""
@@ -32,12 +32,3 @@ class WorkerRecord:
             "refused": self.refused,
             "last_seen_s": round(now - self.last_seen, 1),
         }
-
-
-def describe_hardware(hardware: dict) -> str:
-    """One bounded line from a worker's declared hardware (untrusted input: only known keys, short values)."""
-    engine, machine = str(hardware.get("engine", "?"))[:16], str(hardware.get("machine", "?"))[:16]
-    threads, cores = hardware.get("threads"), hardware.get("cores")
-    threads = threads if isinstance(threads, int) and 0 < threads < 10_000 else "?"
-    cores = cores if isinstance(cores, int) and 0 < cores < 10_000 else "?"
-    return f"{engine}, {threads} threads, {machine} ({cores} cores)"

@@ -59,7 +59,7 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        save_file({name: t.contiguous() for name, t in weights.items()}, str(tmp / "model.safetensors"))
+        save_file({name: t.contiguous().cpu() for name, t in weights.items()}, str(tmp / "model.safetensors"))
         torch.save({"optimizer": optimizer_state, "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
         (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
     except (OSError, RuntimeError) as exc:  # torch reports a full disk as a RuntimeError
@@ -85,7 +85,9 @@ def load_weights(path: Path, model: torch.nn.Module) -> dict[str, Any]:
 
 def load_trainer_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Restore optimizer (each rank keeps its shard) and RNG state."""
-    trainer = torch.load(path / "trainer.pt", weights_only=True)
+    # on the CPU first: a checkpoint written on a GPU resumes on any device (the optimizer moves its
+    # state to its parameters' device as it loads it)
+    trainer = torch.load(path / "trainer.pt", weights_only=True, map_location="cpu")
     saved = trainer["optimizer"]
     if all(isinstance(k, int) for k in saved["state"]):  # written before checkpoints keyed state by name
         optimizer.load_state_dict(saved)

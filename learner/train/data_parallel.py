@@ -20,6 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from learner.train.devices import resolve_device
+from p2p.config import ConfigError
+
 
 @dataclass(frozen=True)
 class World:
@@ -27,6 +30,8 @@ class World:
 
     rank: int = 0
     size: int = 1
+    device: torch.device = torch.device("cpu")  # where this rank trains; collectives run there (nccl: a GPU)
+    sharded: bool = False  # started by torchrun: in a process group, the model under FSDP2 (one rank too)
 
     @property
     def leader(self) -> bool:
@@ -44,7 +49,7 @@ class World:
         """The largest `value` over all ranks."""
         if self.size == 1:
             return value
-        t = torch.tensor([value], dtype=torch.long)
+        t = torch.tensor([value], dtype=torch.long, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
@@ -52,47 +57,61 @@ class World:
         """Element-wise sums over all ranks."""
         if self.size == 1:
             return values
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return t.tolist()
 
 
 def leave(world: World) -> None:
     """Leave the process group after the last step (a rank that exits without it aborts in gloo's threads)."""
-    if world.size > 1 and dist.is_initialized():
+    if world.sharded and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
 
-def init_world() -> World:
-    """Join the process group when started by torchrun (WORLD_SIZE > 1); nccl on GPUs, gloo on CPUs."""
+def started_by_torchrun() -> bool:
+    """Whether torchrun started this process (it sets RANK and MASTER_ADDR, also for one rank)."""
+    return "RANK" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def init_world(device: str = "auto") -> World:
+    """This process's rank and device (learner.train.devices.resolve_device of the --device flag); under
+    torchrun join the process group (nccl when the ranks train on GPUs, gloo on CPUs) and shard the model
+    with FSDP2, also with one rank (`torchrun --nproc-per-node 1`: what one GPU of a bigger run does)."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size == 1:
-        return World()
+    where = resolve_device(device, size)
+    if not started_by_torchrun():
+        if size > 1:
+            raise ConfigError(f"WORLD_SIZE={size} without MASTER_ADDR and RANK: start several ranks with torchrun")
+        return World(device=where)
+    if where.type == "cuda":
+        torch.cuda.set_device(where)  # before the group: nccl binds each rank to its current GPU
     if not dist.is_initialized():
         # ranks > 0 wait in a broadcast while rank 0 waits for workers' rollouts, which may take hours
         # (no worker online yet): the default 30-minute collective timeout would kill the run
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(days=7))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    return World(dist.get_rank(), dist.get_world_size())
+        dist.init_process_group("nccl" if where.type == "cuda" else "gloo", timeout=timedelta(days=7))
+    return World(dist.get_rank(), dist.get_world_size(), where, sharded=True)
 
 
-def shard(model: torch.nn.Module, world: World) -> None:
-    """FSDP2: shard every decoder layer, then the rest (embeddings, final norm, output layer)."""
-    if world.size == 1:
+def shard(model: torch.nn.Module, world: World, precision: str = "fp32") -> None:
+    """FSDP2: shard every decoder layer, then the rest (embeddings, final norm, output layer). bf16: the
+    gathered weights are cast to bfloat16 for compute, gradients reduced in float32 (MixedPrecisionPolicy);
+    the sharded master weights and AdamW stay float32."""
+    if not world.sharded:
         return
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = mixed if precision == "bf16" else MixedPrecisionPolicy()
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
 
 
 def full_state(model: torch.nn.Module, world: World) -> dict[str, torch.Tensor]:
     """The whole model's state dict on rank 0 (on the CPU); {} on the other ranks. Collective: every
     rank calls it at the same point."""
-    if world.size == 1:
+    if not world.sharded:
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -104,7 +123,7 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     return get_optimizer_state_dict(
-        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=world.size > 1)
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=world.sharded)
     )
 
 

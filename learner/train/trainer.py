@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from learner.config import GRPOConfig
 from learner.train.data_parallel import World
+from learner.train.devices import autocast, grad_checkpointing_on
 from learner.train.grpo import policy_loss
 
 log = logging.getLogger(__name__)
@@ -52,13 +54,18 @@ class GRPOTrainer:
 
     The reference of the KL penalty is the initial policy: pass `reference` when the model already
     holds a checkpoint's weights (a resumed run), else it is copied from `model` here.
+
+    `precision` bf16: the model's forward and backward passes run under bfloat16 autocast
+    (learner.train.devices); the output layer, log-softmax and loss stay float32, so a token's ratio
+    pi / mu is not rounded to bf16's 8 bits of mantissa.
     """
 
     def __init__(
         self, model: torch.nn.Module, cfg: GRPOConfig, temperature: float, world: World = World(),
-        top_p: float = 1.0, reference: torch.nn.Module | None = None,
+        top_p: float = 1.0, reference: torch.nn.Module | None = None, precision: str = "fp32",
     ) -> None:  # fmt: skip
         self.model = model
+        self.precision = precision
         self.cfg = cfg
         self.temperature = temperature
         self.top_p = top_p
@@ -67,7 +74,7 @@ class GRPOTrainer:
             [p for p in model.parameters() if p.requires_grad],
             lr=cfg.lr,
             weight_decay=cfg.weight_decay,
-            fused=True,
+            fused=True,  # on the CPU and on CUDA alike
         )
         self.reference = None
         if cfg.beta > 0:
@@ -117,7 +124,7 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         for batch in passes:
             if not batch:  # this rank's share is done: a pass that adds nothing to the gradient
-                (completion_logprobs(self.model, [PADDING], self.temperature).sum() * 0.0).backward()
+                (self._logprobs(self.model, [PADDING]).sum() * 0.0).backward()
                 continue
             device = model_device(self.model)  # every tensor of the step where the model is
             lengths = torch.tensor([len(r.completion_ids) for r in batch], device=device)  # [B]
@@ -125,11 +132,11 @@ class GRPOTrainer:
                 weights = torch.full((int(lengths.sum()),), 1.0 / total_tokens, device=device)  # [N]
             else:
                 weights = torch.repeat_interleave(1.0 / (lengths * n_rollouts), lengths)  # [N]
-            logp = completion_logprobs(self.model, batch, self.temperature, self.top_p)  # [N]
+            logp = self._logprobs(self.model, batch)  # [N]
             logp_ref = None
             if self.reference is not None:
                 with torch.no_grad():
-                    logp_ref = completion_logprobs(self.reference, batch, self.temperature, self.top_p)  # [N]
+                    logp_ref = self._logprobs(self.reference, batch)  # [N]
             behaviour = torch.tensor([lp for r in batch for lp in r.behaviour_logprobs], device=device)  # [N]
             advantages = torch.repeat_interleave(torch.tensor([r.advantage for r in batch], device=device), lengths)
             prox = None if proximal is None else torch.cat([proximal[id(r)] for r in batch])  # [N]
@@ -161,13 +168,18 @@ class GRPOTrainer:
             sums[key] /= tokens
         return {**sums, "grad_norm": grad_norm}, int(tokens)
 
+    def _logprobs(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """completion_logprobs in the trainer's precision: [N] float32."""
+        with autocast(model_device(model), self.precision):
+            return completion_logprobs(model, batch, self.temperature, self.top_p)
+
     @torch.no_grad()
     def _proximal_logprobs(self, plans: list[tuple[Batch, list[Batch]]]) -> dict[int, torch.Tensor]:
         """log pi_prox of every completion token this rank trains on, keyed by id(rollout): [len_i] each."""
         out: dict[int, torch.Tensor] = {}
         for _, passes in plans:
             for batch in passes:
-                logp = completion_logprobs(self.model, batch or [PADDING], self.temperature, self.top_p)  # [N]
+                logp = self._logprobs(self.model, batch or [PADDING])  # [N]
                 for r, lp in zip(batch, logp.split([len(r.completion_ids) for r in batch]), strict=False):
                     out[id(r)] = lp
         return out
@@ -238,9 +250,28 @@ def completion_logprobs(
     ids, mask, rows_t, cols_t = pack_completions(batch, model_device(model))
     # through the model's own forward (FSDP gathers weights in its hooks), the output layer on one position
     out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1)
-    hidden = out.hidden_states[-1]  # [B, T, H] after the final norm
-    logits = model.lm_head(hidden[rows_t, cols_t]).float() / temperature  # [N, V]
+    hidden = out.hidden_states[-1][rows_t, cols_t]  # [N, H] after the final norm
     targets = ids[rows_t, cols_t + 1]  # [N]
+    if grad_checkpointing_on(model) and torch.is_grad_enabled():
+        # the [N, V] log-probabilities are most of a step's activations (49k vocabulary): keep only the
+        # hidden rows and recompute the output layer block by block in the backward pass
+        blocks = zip(hidden.split(HEAD_ROWS), targets.split(HEAD_ROWS), strict=True)
+        return torch.cat(
+            [checkpoint(token_logprobs, model, h, t, temperature, top_p, use_reentrant=False) for h, t in blocks]
+        )
+    return token_logprobs(model, hidden, targets, temperature, top_p)
+
+
+HEAD_ROWS = 256  # completion positions through the output layer at once under gradient checkpointing
+
+
+def token_logprobs(
+    model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: float
+) -> torch.Tensor:
+    """log pi(target) from final hidden states [N, H] and targets [N] (see completion_logprobs): [N]."""
+    head = model.lm_head
+    with torch.autocast(hidden.device.type, enabled=False):  # the output layer in the weights' own precision
+        logits = head(hidden.to(head.weight.dtype)).float() / temperature  # [N, V]
     logp = torch.log_softmax(logits, dim=-1)  # [N, V]
     if top_p < 1.0:
         strict, _ = nucleus_masks(logp.detach(), top_p)  # [N, V]

@@ -51,11 +51,11 @@ def wire_tensors(
         if t.ndim < 2 or dtype == "f32":
             # .float() of a float32 parameter is the parameter itself: its numpy view would change
             # under the next optimizer step while the publisher still encodes this version
-            tensors[name] = t.to(torch.float32, copy=True).numpy()
+            tensors[name] = t.to("cpu", torch.float32, copy=True).numpy()
         elif dtype == "bf16":
-            tensors[name] = t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            tensors[name] = t.to(torch.bfloat16).cpu().view(torch.int16).numpy().view(np.uint16)
         else:
-            tensors[name] = t.to(torch.float16).numpy()
+            tensors[name] = t.to(torch.float16).cpu().numpy()  # rounded where the model is: half the copy
             if not np.isfinite(tensors[name]).all():
                 raise ConfigError(f"weight {name} exceeds the f16 range: publish with --wire-dtype bf16")
     return tensors

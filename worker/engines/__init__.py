@@ -1,4 +1,5 @@
-"""Inference engines. Each has `load_policy(spec, tensors)` and `generate(requests, params)`."""
+"""Inference engines. Each has `load_policy(spec, tensors)`, `load_adapters(spec, tensors)`,
+`generate(requests, params)` and `backend()` (what it computes on, for the heartbeat)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,19 @@ from pathlib import Path
 from typing import Any
 
 
-def make_engine(name: str, work_dir: str | Path, threads: int, max_batch: int) -> Any:
-    """Build the engine called `name` (llamacpp or transformers); imports only what it needs."""
+def make_engine(
+    name: str, work_dir: str | Path, threads: int, max_batch: int, gpu_layers: int = -1, device: str = "auto"
+) -> Any:
+    """Build the engine called `name` (llamacpp or transformers); imports only what it needs.
+
+    `gpu_layers` (llama.cpp): layers offloaded to the GPU, -1 all when the build has a GPU backend.
+    `device` (transformers): auto, cpu, cuda or cuda:N."""
     if name == "llamacpp":
         from worker.engines.llamacpp import LlamaCppEngine
 
-        return LlamaCppEngine(work_dir, threads=threads, max_batch=max_batch)
+        return LlamaCppEngine(work_dir, threads=threads, max_batch=max_batch, gpu_layers=gpu_layers)
     if name == "transformers":
         from worker.engines.hf import TransformersEngine
 
-        return TransformersEngine(threads=threads)
+        return TransformersEngine(threads=threads, max_batch=max_batch, device=device)
     raise ValueError(f"unknown engine {name!r}; choose llamacpp or transformers")

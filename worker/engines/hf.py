@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from p2p.config import ConfigError
 from p2p.draws import uniforms
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams, is_adapter
 from p2p.weights import lora_deltas, to_float32
@@ -37,10 +38,18 @@ def llama_config(spec: ModelSpec) -> LlamaConfig:
 
 
 class TransformersEngine:
-    """Generates a prompt's G completions as one batch of G identical prompts, with a KV cache."""
+    """Generates groups of completions with torch on the CPU or a GPU, many prompts per forward pass.
 
-    def __init__(self, threads: int = 2) -> None:
+    Waves, as the llama.cpp engine: floor(max_batch / G) prompt groups at once (at least one), every
+    prompt repeated G times, left-padded to the wave's longest prompt (masked, positions counted from
+    each prompt's first token), one KV cache. Tokens are drawn by worker.sampling.sample_next from the
+    lease's draws, so the behaviour logprob is that of the distribution each token was drawn from.
+    """
+
+    def __init__(self, threads: int = 2, max_batch: int = 32, device: str = "auto") -> None:
         self.threads = threads
+        self.max_batch = max_batch
+        self.device = engine_device(device)
         self.model: LlamaForCausalLM | None = None
         self.eos_ids: set[int] = set()
         self.base: dict[str, torch.Tensor] = {}  # the weights as loaded, before LoRA adapters
@@ -48,8 +57,10 @@ class TransformersEngine:
     def load_policy(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None:
         """Load float weights; LoRA adapters among them (a LoRA run's full snapshot) are merged in."""
         if self.model is None or self.model.config.to_dict() != llama_config(spec).to_dict():
-            self.model = LlamaForCausalLM(llama_config(spec)).eval()
-        base = {name: torch.from_numpy(to_float32(a)) for name, a in tensors.items() if not is_adapter(name)}
+            self.model = LlamaForCausalLM(llama_config(spec)).to(self.device).eval()
+        base = {
+            name: torch.from_numpy(to_float32(a)).to(self.device) for name, a in tensors.items() if not is_adapter(name)
+        }
         self.model.load_state_dict(base, strict=False)
         self.base = base if spec.lora_rank else {}  # kept only where adapters will be merged onto it
         if spec.tie_embeddings:
@@ -66,25 +77,46 @@ class TransformersEngine:
             raise RuntimeError("no policy loaded: call load_policy() first")
         params = dict(self.model.named_parameters())
         for name, delta in lora_deltas(tensors, spec.lora_alpha / spec.lora_rank):
-            params[name].copy_(self.base[name] + torch.from_numpy(delta))
+            params[name].copy_(self.base[name] + torch.from_numpy(delta).to(self.device))
+
+    def backend(self) -> dict[str, str | int]:
+        """What this engine computes on, for the heartbeat (worker.hardware)."""
+        return torch_backend(self.device)
 
     @torch.no_grad()
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]:
         if self.model is None:
             raise RuntimeError("no policy loaded: call load_policy() first")
         torch.set_num_threads(self.threads)
-        return [self._generate_group(r, params) for r in requests]
+        out: list[list[Completion]] = []
+        wave: list[GenerationRequest] = []
+        for request in requests:  # consecutive requests while their sequences fit in max_batch
+            if wave and sum(r.group_size for r in wave) + request.group_size > self.max_batch:
+                out += self._generate_wave(wave, params)
+                wave = []
+            wave.append(request)
+        return out + (self._generate_wave(wave, params) if wave else [])
 
-    def _generate_group(self, request: GenerationRequest, params: SamplingParams) -> list[Completion]:
-        g = request.group_size
-        ids = torch.tensor([request.prompt_ids] * g)  # [G, T]
+    def _generate_wave(self, wave: list[GenerationRequest], params: SamplingParams) -> list[list[Completion]]:
+        rows = [(r, j) for r in wave for j in range(r.group_size)]  # (request, completion index) per row
+        width = max(len(r.prompt_ids) for r in wave)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)  # [R, P] left-padded prompts
+        mask = torch.zeros(len(rows), width, dtype=torch.long)  # [R, P]
+        for i, (r, _) in enumerate(rows):
+            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[i, width - len(r.prompt_ids) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)  # [R, P] each prompt's tokens from position 0
         cache = DynamicCache()
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        seqs = [Completion(tokens=[], logprobs=[], finish_reason="length") for _ in range(g)]
-        alive = np.ones(g, dtype=bool)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+        )
+        seqs = [Completion(tokens=[], logprobs=[], finish_reason="length") for _ in rows]
+        alive = np.ones(len(rows), dtype=bool)
+        next_position = positions[:, -1:] + 1  # [R, 1]
         for position in range(params.max_new_tokens):
-            logits = out.logits[:, -1, :].float().numpy()  # [G, V]
-            u = uniforms(params.seed, [(request.group, j, position) for j in range(g)])  # p2p.draws
+            logits = out.logits[:, -1, :].float().cpu().numpy()  # [R, V]
+            u = uniforms(params.seed, [(r.group, j, position) for r, j in rows])  # p2p.draws
             tokens, logprobs = sample_next(logits, params.temperature, params.top_p, u)
             for i in np.nonzero(alive)[0]:
                 seqs[i].tokens.append(int(tokens[i]))
@@ -95,5 +127,34 @@ class TransformersEngine:
             if not alive.any():
                 break
             # finished rows keep decoding a dummy token; their output is ignored
-            out = self.model(input_ids=torch.from_numpy(tokens)[:, None], past_key_values=cache, use_cache=True)
-        return seqs
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # [R, P + position + 1]
+            out = self.model(
+                input_ids=torch.from_numpy(tokens)[:, None].to(self.device), attention_mask=mask,
+                position_ids=next_position, past_key_values=cache, use_cache=True,
+            )  # fmt: skip
+            next_position = next_position + 1
+        groups, start = [], 0
+        for r in wave:
+            groups.append(seqs[start : start + r.group_size])
+            start += r.group_size
+        return groups
+
+
+def engine_device(name: str) -> torch.device:
+    """auto: the first CUDA GPU when torch sees one, else the CPU; or cpu, cuda, cuda:N."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: torch sees no CUDA device; use --device cpu or a CUDA build of torch")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r}: choose auto, cpu, cuda or cuda:N") from None
+
+
+def torch_backend(device: torch.device) -> dict[str, str | int]:
+    """{"backend": "cpu"} or {"backend": "cuda", "gpu": name, "gpu_mem_mb": total memory}."""
+    if device.type != "cuda":
+        return {"backend": "cpu"}
+    props = torch.cuda.get_device_properties(device)
+    return {"backend": "cuda", "gpu": props.name, "gpu_mem_mb": props.total_memory >> 20}

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
 
+from p2p.config import ConfigError
 from p2p.draws import uniforms
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams, is_adapter
 from worker.gguf_writer import write_gguf, write_lora_gguf
@@ -40,6 +42,36 @@ def _route_llamacpp_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> 
 llama_cpp.llama_log_set(_route_llamacpp_log, ctypes.c_void_p(0))
 llama_cpp.llama_backend_init()
 
+GPU_ALL_LAYERS = 999  # llama.cpp offloads min(n_gpu_layers, the model's layers + output)
+
+
+def llamacpp_backends() -> list[str]:
+    """The compute backends this llama.cpp build registered, e.g. ["CUDA", "CPU"], from its system info
+    ("CUDA : ARCHS = 890 | ... | CPU : SSE3 = 1 | ..."): every segment naming a backend has " : "."""
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    return [seg.split(" : ")[0].strip() for seg in info.split(" | ") if " : " in seg]
+
+
+def gpu_backend() -> str:
+    """The GPU backend llama.cpp was built with ("CUDA", "Metal", "Vulkan", ...), or "" for a CPU build."""
+    if not llama_cpp.llama_supports_gpu_offload():
+        return ""
+    return next((b for b in llamacpp_backends() if b not in ("CPU", "BLAS")), "GPU")
+
+
+def gpu_device() -> dict[str, str | int]:
+    """The first NVIDIA GPU's name and memory from nvidia-smi (llama-cpp-python does not expose ggml's
+    device list); {} where there is none or nvidia-smi is missing (Metal, Vulkan on other vendors)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.splitlines()[0]  # fmt: skip
+        name, mem = out.rsplit(",", 1)
+        return {"gpu": name.strip(), "gpu_mem_mb": int(mem)}
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return {}
+
 
 class LlamaCppEngine:
     """Generates groups of completions with llama.cpp from a GGUF file.
@@ -49,7 +81,14 @@ class LlamaCppEngine:
     token for every live sequence per call until all have stopped.
     """
 
-    def __init__(self, work_dir: str | Path, threads: int = 2, max_batch: int = 32) -> None:
+    def __init__(self, work_dir: str | Path, threads: int = 2, max_batch: int = 32, gpu_layers: int = -1) -> None:
+        if gpu_layers > 0 and not gpu_backend():  # before any state: nothing to free
+            raise ConfigError(
+                f"--gpu-layers {gpu_layers}: this llama-cpp-python was built for the CPU only; rebuild it with "
+                "ECHO_RL_GPU=cuda ./scripts/setup.sh (or metal, vulkan), or use --gpu-layers 0"
+            )
+        # -1: every layer on the GPU when this build of llama.cpp has a GPU backend (CUDA, Metal, Vulkan...)
+        self.gpu_layers = (GPU_ALL_LAYERS if gpu_backend() else 0) if gpu_layers < 0 else gpu_layers
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.threads = threads
@@ -98,13 +137,19 @@ class LlamaCppEngine:
     def load_gguf(self, path: str | Path, eos_ids: Sequence[int]) -> None:
         self.close()
         params = llama_cpp.llama_model_default_params()
-        params.n_gpu_layers = 0
+        params.n_gpu_layers = self.gpu_layers
         model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not model:
             raise RuntimeError(f"llama.cpp could not load {path}: is it a valid GGUF of a llama model?")
         self.model = model
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
         self.eos_ids = set(eos_ids)
+
+    def backend(self) -> dict[str, str | int]:
+        """What this engine computes on, for the heartbeat: the GPU backend when layers are offloaded."""
+        if not self.gpu_layers:
+            return {"backend": "cpu"}
+        return {"backend": gpu_backend().lower(), "gpu_layers": self.gpu_layers, **gpu_device()}
 
     def close(self) -> None:
         self._free_context()
@@ -116,7 +161,8 @@ class LlamaCppEngine:
             self.model = None
 
     def __del__(self) -> None:
-        self.close()
+        if hasattr(self, "ctx"):  # a constructor that raised has nothing to free
+            self.close()
 
     def _free_context(self) -> None:
         if self.ctx is not None:
@@ -157,7 +203,7 @@ class LlamaCppEngine:
         wave_seqs = 0
         for request in requests:
             if request.group_size > self.max_batch:
-                raise ValueError(f"group size {request.group_size} exceeds max_batch {self.max_batch}")
+                raise ConfigError(f"group size {request.group_size} exceeds max_batch {self.max_batch}")
             if wave_seqs + request.group_size > self.max_batch:
                 results.extend(self._generate_wave(wave, params))
                 wave, wave_seqs = [], 0
