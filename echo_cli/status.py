@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from p2p.host import Host, HostConfig, PeerUnavailable, RemoteError
@@ -74,7 +75,8 @@ def render(doc: dict) -> Group:
             "[red]flagged[/]" if p.get("flagged") else "active" if active else "[yellow]inactive[/]",
             f"{p['price']:.2f}", str(p["version"]), "-" if p["version_lag"] is None else str(p["version_lag"]),
             f"{p['newest_share']:.0%}", f"{p['tokens_per_s']:.0f}", str(p["open_leases"]), str(p["groups_accepted"]),
-            str(p["refused"]), str(p.get("stale_dropped", 0)), f"{p['last_seen_s']:.0f}s", p.get("hardware") or "-",
+            str(p["refused"]), str(p.get("stale_dropped", 0)), f"{p['last_seen_s']:.0f}s",
+            escape(p.get("hardware") or "-"),  # a worker's own words: never rich markup
         )  # fmt: skip
     if notes:
         peers.caption = "; ".join(notes)

@@ -168,3 +168,24 @@ def test_bench_engines_measures_what_this_machine_has():
     assert rows["llamacpp-cpu"]["backend"] == {"backend": "cpu"}
     if not gpu_backend():
         assert rows["llamacpp-gpu"]["tokens_per_s"] is None  # reported as not available, not measured
+
+
+def test_status_shows_a_workers_hardware_as_text_never_markup():
+    from rich.console import Console
+
+    from echo_cli.status import render
+
+    verification = {"groups_checked": 0, "divergence_max": None, "divergence_median": None, "draw_miss_max": None,
+                    "tolerance": 0.02, "draw_tolerance": 0.02, "flagged": {}, "groups_dropped": 0}  # fmt: skip
+    peer = {"peer_id": "y" * 20, "price": 0.1, "version": 1, "version_lag": 0, "newest_share": 1.0,
+            "tokens_per_s": 10, "open_leases": 0, "groups_accepted": 1, "refused": 0, "last_seen_s": 1,
+            "hardware": "llamacpp on [red]cuda[/red] X (1 MB), 2 threads"}  # fmt: skip
+    doc = {"peer_id": "x" * 20, "run_id": "r", "step": 1, "steps": 2, "version_published": 1, "mode": "async",
+           "staleness": 2, "publish_every": 1, "utilisation": 0.5, "reward": 0.1, "buffer": 0, "stale_dropped": 0,
+           "rollouts_per_s": 1.0, "verification": verification, "addrs": [], "peers": [peer],
+           "device": "cpu (2 threads), fp32", "memory_gib": {"peak_train": 3.0, "resident": 2.0}}  # fmt: skip
+    console = Console(width=250, record=True)
+    console.print(render(doc))
+    text = console.export_text()
+    assert "[red]cuda[/red]" in text  # shown as the worker sent it, not interpreted
+    assert "cpu (2 threads), fp32; memory: 3.0 GiB peak in training, 2.0 GiB resident" in text
