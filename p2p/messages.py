@@ -135,10 +135,13 @@ def describe_hardware(hardware: dict) -> str:
         value = hardware.get(key)
         return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 20 else "?"
 
-    engine, machine = str(hardware.get("engine", "?"))[:16], str(hardware.get("machine", "?"))[:16]
-    where = str(hardware.get("backend", "cpu"))[:16]
+    def text(key: str, default: str, limit: int) -> str:  # printable characters only: it reaches terminals
+        return "".join(c for c in str(hardware.get(key, default))[:limit] if c.isprintable())
+
+    engine, machine = text("engine", "?", 16), text("machine", "?", 16)
+    where = text("backend", "cpu", 16)
     if hardware.get("gpu"):
-        where += f" {str(hardware['gpu'])[:32]} ({count('gpu_mem_mb')} MB)"
+        where += f" {text('gpu', '', 32)} ({count('gpu_mem_mb')} MB)"
     return f"{engine} on {where}, {count('threads')} threads, {machine} ({count('cores')} cores)"
 
 

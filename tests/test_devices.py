@@ -155,6 +155,9 @@ def test_heartbeat_carries_the_backend_and_status_shows_it():
     line = describe_hardware(beat.hardware)
     assert line == "llamacpp on cuda NVIDIA GeForce RTX 4090 (24564 MB), 8 threads, x86_64 (16 cores)"
     assert describe_hardware({"engine": "llamacpp", "threads": True}) == "llamacpp on cpu, ? threads, ? (? cores)"
+    assert describe_hardware({"engine": "llama\ncpp\x1b[2J", "gpu": "A\rB"}) == (
+        "llamacpp[2J on cpu AB (? MB), ? threads, ? (? cores)"
+    )  # no control characters reach a terminal
 
 
 def test_bench_engines_measures_what_this_machine_has():
