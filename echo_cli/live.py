@@ -77,7 +77,11 @@ def worker_table(daemon: Any) -> Table:
     table = Table(show_header=False, box=None, padding=(0, 2))
     held = daemon.version if daemon.version >= 0 else None
     table.add_row("now", daemon.state)
-    table.add_row("version", f"{'-' if held is None else f'v{held}'}  (newest published: v{daemon.newest})")
+    fetcher = daemon.fetcher
+    newest = f"newest published: v{fetcher.announced}" if fetcher is not None else "not joined yet"
+    if fetcher is not None and fetcher.fetching >= 0:
+        newest += f", fetching v{fetcher.fetching} while generating"
+    table.add_row("version", f"{'-' if held is None else f'v{held}'}  ({newest})")
     table.add_row("throughput", f"{daemon.tokens_per_s:.0f} tok/s on the last lease")
     table.add_row("leases done", str(daemon.leases_done))
     if daemon.host is not None and daemon.peer is not None:

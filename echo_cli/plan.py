@@ -19,7 +19,8 @@ REQUIRED = {"name": str, "rollouts_per_s": (int, float), "lease_s": (int, float)
 
 
 def load_workers(path: Path) -> list[WorkerProfile]:
-    """[[workers]] tables with name, rollouts_per_s, lease_s, price_per_hour (other keys are ignored)."""
+    """[[workers]] tables with name, rollouts_per_s, lease_s, price_per_hour and optionally overlap (false:
+    a worker run with --no-overlap, which stops generating to fetch; other keys are ignored)."""
     doc = read_toml(path, "--workers")
     tables = doc.get("workers")
     if not isinstance(tables, list) or not tables:
@@ -35,7 +36,12 @@ def load_workers(path: Path) -> list[WorkerProfile]:
         if table["name"] in names:
             raise ConfigError(f"{path}: two workers are named {table['name']!r}; names must be unique")
         names.add(table["name"])
-        workers.append(WorkerProfile(table["name"], table["rollouts_per_s"], table["lease_s"], table["price_per_hour"]))
+        overlap = table.get("overlap", True)
+        if not isinstance(overlap, bool):
+            raise ConfigError(f"{path}: worker {k} ({table['name']}): overlap must be true or false")
+        workers.append(
+            WorkerProfile(table["name"], table["rollouts_per_s"], table["lease_s"], table["price_per_hour"], overlap)
+        )
     return workers
 
 

@@ -166,7 +166,6 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                 with phases("publish"):
                     if pending is not None:
                         pending.result()  # also raises if it failed
-                    service.encoding(version)
                     pending = publishing.submit(publish, version, snapshot())
             seconds = phases.seconds
             step_s = sum(seconds.values())

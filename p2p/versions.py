@@ -9,6 +9,7 @@ import numpy as np
 
 from p2p.codec import DEFAULT_CHUNK, CodecError, decode, encode, layout, sha256, split_chunks, unlayout
 from p2p.manifest import Manifest
+from p2p.weights import to_float32
 
 
 @dataclass
@@ -71,3 +72,8 @@ def rebuild_raw(manifest: Manifest, chunks: list[bytes], base_raw: bytes | None 
 
 def tensors_of(manifest: Manifest, raw: bytes) -> dict[str, np.ndarray]:
     return unlayout(manifest.tensors, raw)
+
+
+def float_tensors(manifest: Manifest, raw: bytes) -> dict[str, np.ndarray]:
+    """A version's tensors as float32 arrays, as engines load them."""
+    return {name: to_float32(array) for name, array in tensors_of(manifest, raw).items()}

@@ -15,45 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import tempfile
 import time
 
-import numpy as np
 import torch
+from grpo_steps import train  # scripts/grpo_steps.py
 
-from learner.config import GRPOConfig
 from learner.orchestrate.publisher import Publisher
-from learner.orchestrate.rollouts import score_groups
-from learner.tasks import make_task
 from learner.train.lora import add_lora
 from learner.train.models import load_policy, model_spec
-from learner.train.trainer import GRPOTrainer
 from learner.train.wire_weights import wire_tensors
-from p2p.messages import GenerationRequest, SamplingParams
-from p2p.versions import build_version, rebuild_raw, tensors_of
+from p2p.versions import build_version, float_tensors, rebuild_raw
 from worker.engines.llamacpp import LlamaCppEngine
-
-
-def train(policy, engine, steps: int, lr: float, lora: bool) -> None:
-    """GRPO steps on rollouts the engine samples from the current policy."""
-    spec, task, rng = model_spec(policy), make_task("arithmetic", {"ops": "+", "max_value": 20}), random.Random(0)
-    trainer = GRPOTrainer(policy.model, GRPOConfig(lr=lr, skip_equal_groups=False), temperature=1.0)
-    for step in range(1, steps + 1):
-        problems = [task.sample(rng) for _ in range(4)]
-        prompts = [policy.render_prompt(p.prompt) for p in problems]
-        requests = [GenerationRequest(p, 8, k) for k, p in enumerate(prompts)]
-        groups = engine.generate(requests, SamplingParams(1.0, 1.0, 48, step))
-        trainer.step([r for g in score_groups(task, policy, problems, prompts, groups, step - 1) for r in g])
-        if lora:
-            engine.load_adapters(spec, wire_tensors(policy.model, adapter_only=True))
-        else:
-            engine.load_policy(spec, wire_tensors(policy.model))
-
-
-def floats(manifest, raw) -> dict[str, np.ndarray]:
-    return {n: np.asarray(a, dtype=np.float32) for n, a in tensors_of(manifest, raw).items()}
 
 
 def main() -> None:
@@ -84,7 +58,7 @@ def main() -> None:
     full, _ = build_version("bench", 1, publisher.snapshot(policy.model))
     t = time.perf_counter()
     raw = rebuild_raw(delta.manifest, delta.chunks, raw_before)
-    engine.load_policy(spec, floats(delta.manifest, raw))
+    engine.load_policy(spec, float_tensors(delta.manifest, raw))
     result["full_apply_s"] = round(time.perf_counter() - t, 3)
     result["full_snapshot_bytes"] = full.manifest.payload_size
     result["full_delta_bytes"] = delta.manifest.payload_size
@@ -104,11 +78,11 @@ def main() -> None:
     adapters, _ = build_version("bench", 1, tensors, adapter_base=0)
     t = time.perf_counter()
     raw = rebuild_raw(adapters.manifest, adapters.chunks)
-    engine.load_adapters(spec, floats(adapters.manifest, raw))
+    engine.load_adapters(spec, float_tensors(adapters.manifest, raw))
     result["lora_apply_s"] = round(time.perf_counter() - t, 4)
     result["lora_version_bytes"] = adapters.manifest.payload_size
     result["lora_params"] = sum(a.size for a in tensors.values())
-    adapter_floats = floats(adapters.manifest, raw)
+    adapter_floats = float_tensors(adapters.manifest, raw)
     swaps = []
     for _ in range(args.swaps):
         t = time.perf_counter()

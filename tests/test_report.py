@@ -3,6 +3,7 @@
 import io
 import json
 from collections import deque
+from types import SimpleNamespace
 
 import matplotlib.image
 import pytest
@@ -97,10 +98,11 @@ def test_live_worker_view():
     from worker.daemon import WorkerDaemon
 
     daemon = WorkerDaemon(WorkerConfig(learner="/ip4/127.0.0.1/tcp/1/p2p/12D3KooWx"))  # not started: no host yet
-    daemon.held, daemon.version, daemon.newest, daemon.state = (3, b""), 3, 4, "fetching v4"
+    daemon.fetcher = SimpleNamespace(announced=5, fetching=5)  # what the view reads of the fetcher thread
+    daemon.version, daemon.state = 3, "generating lease 7 (4 groups) on v3"
     daemon.tokens_per_s, daemon.leases_done = 88.0, 12
     console = Console(file=io.StringIO(), force_terminal=True, width=100)
     console.print(worker_table(daemon))
     text = console.file.getvalue()
-    for expected in ("fetching v4", "v3", "newest published: v4", "88 tok/s", "12"):
+    for expected in ("lease 7", "v3", "newest published: v5, fetching v5 while generating", "88 tok/s", "12"):
         assert expected in text, expected

@@ -144,3 +144,29 @@ def test_deadlines_and_lease_sizes_follow_each_worker():
     assert s.lease_deadline("fast") == 10.0  # 3 x 2 s, raised to the 10 s minimum
     assert s.lease_deadline("straggler") == pytest.approx(24.0)
     assert s.lease_groups("fast") == 4 and s.lease_groups("straggler") == 1
+
+
+def test_lease_admission_follows_the_window_rule():
+    """A lease that fills the next batch is measured by v - x <= S alone; one for a later batch must also
+    come back in time, a + L <= S T (a: the version's age); an overlapping worker is never told to wait
+    for a version still being encoded (that would cost it the broadcast time of every version)."""
+    from learner.plan.admission import LeaseAdmission
+
+    s = make()  # S = 2
+    s.seen("w", 0.0)
+    admission = LeaseAdmission(s, "async", staleness=2, prefetch_batches=2, autoscale=False)
+
+    def admit(held: int, age_s: float, buffered: int = 0, leased: int = 0):
+        return admission.admit("w", held, 1, 100.0, version=5, age_s=age_s, batch_groups=4, buffered=buffered,
+                               leased=leased)  # fmt: skip
+
+    assert admit(held=2, age_s=1.0).refused == "stale"  # 5 - 2 > S
+    assert admit(held=4, age_s=1.0).groups == 1  # with 5 being encoded: generate with 4 meanwhile
+    assert admit(held=3, age_s=25.0, buffered=4).groups == 1  # L and T not measured: no evidence to refuse on
+    feed(s, "w", 100.0, lease_s=8.0)
+    steps(s, 1, 3)  # T = 10 s
+    assert admit(held=3, age_s=12.0, buffered=4).groups == 1  # 12 + 8 <= 2 * 10
+    assert admit(held=3, age_s=13.0, buffered=4).refused == "late"  # 13 + 8 > 20, for a later batch
+    assert admit(held=3, age_s=13.0, buffered=2, leased=1).groups == 1  # it fills the next batch: v - x decides
+    pull = LeaseAdmission(s, "pull", staleness=0, prefetch_batches=1, autoscale=False)
+    assert pull.admit("w", 4, 1, 0.0, version=5, age_s=0, batch_groups=4, buffered=0, leased=0).refused == "behind"

@@ -27,6 +27,10 @@ class WorkerConfig:
     """transformers engine: auto (cuda when torch sees a GPU), cpu, cuda or cuda:N."""
     max_groups: int = 4
     """Most prompt groups to ask for in one lease."""
+    overlap: bool = True
+    """Fetch the next policy version while generating (false: stop generating until it is loaded)."""
+    poll_s: float = 1.0
+    """Seconds between heartbeats, each of which asks the learner for its newest version."""
     price: float = 0.0
     """What this machine costs, USD per hour (the learner's scheduler prefers cheap workers)."""
     identity: str = "~/.config/echo-rl/worker.key"
@@ -47,6 +51,7 @@ class WorkerConfig:
         require(self.gpu_layers >= -1, "worker.gpu_layers", f"must be >= -1 (-1: all), got {self.gpu_layers}")
         require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "worker.device",
                 f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")  # fmt: skip
+        require(0.05 <= self.poll_s <= 60, "worker.poll_s", f"must be within [0.05, 60] seconds, got {self.poll_s}")
         require(self.price >= 0, "worker.price", "must be >= 0")
         require(self.listen.startswith("/"), "worker.listen", "must be a multiaddr")
 

@@ -1,10 +1,14 @@
 """`echo-rl worker join`: fetch policy versions from the swarm, generate rollouts, push them back.
 
-    join the learner (and its peers) -> get the model spec -> loop:
-        heartbeat (newest version?) -> sync to it through the swarm, swap the engine's weights
-        lease prompt groups -> generate G completions each with the version held -> push rollouts
+    join the learner (and its peers) -> get the model spec -> start the fetcher -> loop:
+        a newer version staged by the fetcher? install it (between leases)
+        lease prompt groups -> generate G completions each with the version installed -> push rollouts
 
-The worker serves the chunks it holds to other workers the whole time. It keeps going when the
+The fetcher (worker/fetcher.py) heartbeats on its own thread, syncs each new version through the swarm
+and stages it in the engine while the engine generates with the previous one, so versions cost no
+generation time (with --no-overlap the loop waits for the newest version before each lease instead,
+the sequential worker kept for comparison). The worker serves the chunks it holds to other workers the
+whole time. It keeps going when the
 learner disappears (it retries until the learner is back, e.g. after `learner start --resume`).
 SIGINT/SIGTERM let the current lease finish and be pushed, then the worker leaves.
 """
@@ -20,15 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from p2p.auth import authenticate, read_secret
 from p2p.broadcast import BroadcastPeer, ChunkStore
-from p2p.codec import CodecError
 from p2p.config import ConfigError
 from p2p.host import Host, HostConfig, PeerUnavailable, RemoteError, RemoteFailure, Unauthorized
 from p2p.identity import load_identity
-from p2p.manifest import Manifest, ManifestError
 from p2p.messages import (
     HEARTBEAT,
     LEASE,
@@ -47,10 +47,9 @@ from p2p.messages import (
     SpecReply,
     describe_hardware,
 )
-from p2p.versions import tensors_of
-from p2p.weights import to_float32
 from worker.config import WorkerConfig
 from worker.engines import make_engine
+from worker.fetcher import VersionFetcher
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +64,12 @@ class WorkerDaemon:
         self.peer: BroadcastPeer | None = None
         self.engine: Any = None
         self.spec: ModelSpec | None = None
-        self.held: tuple[int, bytes] | None = None  # (version, raw 16-bit weights as published)
-        self.version = -1  # the policy version the engine runs: held[0], or a LoRA version on that base
+        self.fetcher: VersionFetcher | None = None  # syncs and stages new versions in the background
+        self.version = -1  # the policy version the engine runs (a LoRA version: adapters on their base)
+        self.versions_installed = 0
         self.run_id: str | None = None
         self.tokens_per_s = 0.0
         self.leases_done = 0
-        self.newest = -1  # newest version the learner announced
         # declared to the learner with every heartbeat: what this worker runs on
         self.hardware = {
             "engine": cfg.engine,
@@ -132,11 +131,9 @@ class WorkerDaemon:
                     self.spec = None
                     self.stop.wait(backoff)
                     backoff = min(backoff * 2, 10.0)
-                except (CodecError, ManifestError) as exc:  # a bad version: start over from a full snapshot
-                    log.warning("could not rebuild the policy (%s); fetching it again", exc)
-                    self.held, self.version = None, -1
-                    self.stop.wait(1.0)
         finally:
+            if self.fetcher is not None:
+                self.fetcher.stop()
             self.host.stop()
             log.info("worker left after %d leases", self.leases_done)
 
@@ -145,74 +142,72 @@ class WorkerDaemon:
 
     def _step(self) -> None:
         if self.spec is None:
-            self.state = "joining"
-            authenticate(self.host, self.cfg.learner, self.secret)
-            self.peer.join()
-            reply = SpecReply.from_wire(self._request(SPEC, {}))
-            if reply.group_size > self.cfg.max_batch:
-                raise ConfigError(
-                    f"worker.max_batch {self.cfg.max_batch} is below the learner's group size {reply.group_size}: "
-                    f"join with --max-batch {reply.group_size} or more"
-                )
-            self.spec = reply.spec
-            if reply.run_id != self.run_id:  # a new run, or the learner restarted: versions start over
-                self.run_id, self.held, self.version = reply.run_id, None, -1
-                store = self.peer.store
-                for version, manifest in list(store.manifests.items()):  # the old run's v6 is not the new
-                    if manifest.run_id != self.run_id:  # run's v6: never serve its chunks under that number
-                        store.drop(version)
-        self.newest = HeartbeatReply.from_wire(self._request(HEARTBEAT, self._heartbeat())).newest
-        if self.newest != self.version:
-            self._update()
-        if self.version < 0:
+            self._join()
+        self._install()
+        if self.version < 0 or (not self.cfg.overlap and self.fetcher.announced != self.version):
+            self.state = f"fetching v{max(self.fetcher.announced, 0)}"
+            self.fetcher.ready.wait(0.5)
             return
         reply = LeaseReply.from_wire(self._request(LEASE, LeaseRequest(self.version, self.cfg.max_groups).to_wire()))
-        if reply.grant is None:
-            self.newest = reply.newest
-            if self.newest != self.version:
-                self._update()
-            elif reply.inactive:
-                self.state = "inactive: the learner has cheaper workers enough; relaying chunks only"
-                self.stop.wait(min(max(reply.wait, 0.05), 5.0))
-            else:
-                self.state = "idle: the learner needs no more rollouts now"
-                self.stop.wait(min(max(reply.wait, 0.05), 5.0))
+        if reply.grant is not None:
+            self._work(reply.grant)
             return
-        self._work(reply.grant)
+        self.fetcher.announced = max(self.fetcher.announced, reply.newest)
+        wait = min(max(reply.wait, 0.05), 5.0)
+        if reply.inactive:
+            self.state = "inactive: the learner has cheaper workers enough; relaying chunks only"
+        elif reply.newest != self.version:  # too stale to lease with: the newer version is on its way
+            self.state = f"waiting for v{reply.newest}"
+            self.fetcher.poke()
+            self.fetcher.ready.wait(wait)
+            return
+        else:
+            self.state = "idle: the learner needs no more rollouts now"
+        self.stop.wait(wait)
+
+    def _join(self) -> None:
+        """Authenticate, join the swarm, read the model spec; a new run gets a new fetcher."""
+        self.state = "joining"
+        authenticate(self.host, self.cfg.learner, self.secret)
+        self.peer.join()
+        reply = SpecReply.from_wire(self._request(SPEC, {}))
+        if reply.group_size > self.cfg.max_batch:
+            raise ConfigError(
+                f"worker.max_batch {self.cfg.max_batch} is below the learner's group size {reply.group_size}: "
+                f"join with --max-batch {reply.group_size} or more"
+            )
+        if reply.run_id != self.run_id or self.fetcher is None:  # a new run, or the learner restarted:
+            self.run_id, self.version = reply.run_id, -1  # versions start over
+            store = self.peer.store
+            for version, manifest in list(store.manifests.items()):  # the old run's v6 is not the new
+                if manifest.run_id != self.run_id:  # run's v6: never serve its chunks under that number
+                    store.drop(version)
+            if self.fetcher is not None:
+                self.fetcher.stop()
+            self.fetcher = VersionFetcher(
+                self.peer, self.engine, reply.spec, self._beat, lambda: self.version, self.cfg.poll_s
+            ).start()
+        self.spec = reply.spec
+
+    def _beat(self) -> int:
+        """One heartbeat (the fetcher's thread sends them): the learner's newest version."""
+        return HeartbeatReply.from_wire(self._request(HEARTBEAT, self._heartbeat(), timeout=10)).newest
 
     def _heartbeat(self) -> dict:
         return Heartbeat(self.version, self.tokens_per_s, self.cfg.price, self.hardware).to_wire()
 
-    def _update(self) -> None:
-        """Sync to the newest version through the swarm and swap it into the engine.
-
-        A LoRA version carries only adapters for the full weights of an earlier version (its
-        adapter_base): the worker syncs its weights to that base if it does not hold it, then fetches the
-        adapters and hot-swaps them into the engine, which keeps its loaded base.
-        """
+    def _install(self) -> None:
+        """Swap in the version the fetcher staged, if any (between leases: a lease is one version)."""
+        staged = self.fetcher.take()
+        if staged is None:
+            return
         tick = time.perf_counter()
-        self.state = f"fetching v{self.newest}"
-        # LoRA: adapters on a base that stays; otherwise the newest weights, whichever version that is by
-        # the time the learner answers (pinning a version a fast learner has dropped since would livelock)
-        newest = self.peer.fetch_manifest() if self.spec.lora_rank else None
-        base = None if newest is None else newest.version if newest.adapter_base is None else newest.adapter_base
-        if base is None or self.held is None or self.held[0] != base:
-            result = self.peer.sync(self.held, stop=self.stop, version=base)
-            if result is not None:
-                manifest, raw = result
-                self.engine.load_policy(self.spec, self._floats(manifest, raw))
-                self.held = (manifest.version, raw)
-                self.version = manifest.version
-        if newest is not None and newest.adapter_base is not None and newest.version != self.version:
-            raw = self.peer.fetch_adapters(newest, stop=self.stop)
-            self.engine.load_adapters(self.spec, self._floats(newest, raw))
-            self.version = newest.version
+        self.engine.install(staged.engine_state)
+        self.version = staged.version
+        self.versions_installed += 1
         self._request(HEARTBEAT, self._heartbeat(), timeout=10)  # tell the learner at once
-        log.info("now on v%d (%.1fs to fetch and load)", self.version, time.perf_counter() - tick)
-
-    @staticmethod
-    def _floats(manifest: Manifest, raw: bytes) -> dict[str, np.ndarray]:
-        return {name: to_float32(array) for name, array in tensors_of(manifest, raw).items()}
+        log.info("now on v%d (%.1fs to fetch and load in the background, %.3fs to swap)",
+                 self.version, staged.fetch_s, time.perf_counter() - tick)  # fmt: skip
 
     def _work(self, lease: LeaseGrant) -> None:
         version, requests = self.version, lease.requests

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 class LearnerService:
     """Serves the worker protocols of one run and owns the swarm-side state: versions, workers, leases,
-    the replay buffer, the scheduler. The training loop moves it on with `advance`, `encoding`,
+    the replay buffer, the scheduler. The training loop moves it on with `advance`,
     `mark_published`, `schedule` and `step_recorded`."""
 
     def __init__(
@@ -117,10 +117,6 @@ class LearnerService:
     def advance(self, version: int) -> None:
         """The learner now holds `version`: leases from now on are measured against it."""
         self.versions.trained = version
-
-    def encoding(self, version: int) -> None:
-        """`version` is being encoded in the background: workers wait for it rather than lease on an older one."""
-        self.versions.encoding = version
 
     def mark_published(self, version: int, payload_bytes: int) -> None:
         self.versions.mark_published(version, payload_bytes)
@@ -223,11 +219,12 @@ class LearnerService:
         batch_groups, buffered, leased = self.groups_per_batch(), len(self.buffer), self.leases.outstanding_groups()
         with self._sched_lock:
             admitted = self.admission.admit(
-                peer, request.version, request.max_groups, now, version=versions.trained, encoding=versions.encoding,
+                peer, request.version, request.max_groups, now, version=versions.trained,
+                age_s=now - versions.published_at.get(request.version, now),
                 batch_groups=batch_groups, buffered=buffered, leased=leased,
             )  # fmt: skip
         if not admitted.groups:
-            # behind/stale: fetch the newest version first; encoding: it is a second away; full: wait a moment
+            # behind/stale/late: generate with a newer version (the worker is fetching it); full: wait a moment
             inactive = admitted.refused == "inactive"  # it keeps polling, so it fetches and relays versions
             return LeaseReply(wait=0.5 if inactive else 0.2, newest=versions.published, inactive=inactive).to_wire()
         lease = self.leases.issue(peer, admitted.groups, min_version=request.version, timeout_s=admitted.timeout_s)

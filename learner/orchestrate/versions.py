@@ -1,4 +1,4 @@
-"""The policy versions the learner has trained, is encoding and has published, and how fast they spread."""
+"""The policy versions the learner has trained and published, and how fast they spread."""
 
 from __future__ import annotations
 
@@ -13,12 +13,11 @@ from p2p.host import BadRequest, Misbehaviour
 class PolicyVersions:
     """Version bookkeeping shared by the training loop (which moves it) and the handlers (which read it).
 
-    trained: the version the learner holds (optimizer steps done); encoding: the version being encoded in
-    the background (-1 if none); published: the newest version workers can fetch (-1 before the first)."""
+    trained: the version the learner holds (optimizer steps done); published: the newest version workers
+    can fetch (-1 before the first)."""
 
     publish_every: int
     trained: int = 0
-    encoding: int = -1
     published: int = -1
     published_at: dict[int, float] = field(default_factory=dict)  # version -> monotonic time it was published
     payload_bytes: dict[int, int] = field(default_factory=dict)  # version -> bytes on the wire
@@ -29,8 +28,6 @@ class PolicyVersions:
         with self._lock:
             self.payload_bytes[version] = payload_bytes
             self.published = version
-            if self.encoding == version:
-                self.encoding = -1
             self.published_at[version] = time.monotonic()
             for per_version in (self.payload_bytes, self.published_at, self.bcast_seconds):
                 for old in [v for v in per_version if v < version - 100]:  # bounded over long runs

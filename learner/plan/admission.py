@@ -27,21 +27,28 @@ class Admission:
     groups: int = 0
     timeout_s: float = 0.0  # seconds the worker has to return the lease
     expires_at: float = 0.0  # now + timeout_s
-    refused: Literal["", "behind", "stale", "encoding", "inactive", "full"] = ""
+    refused: Literal["", "behind", "stale", "late", "inactive", "full"] = ""
 
 
 class LeaseAdmission:
     """Admits a lease request from a worker holding policy version x that asks for up to m prompt groups.
 
-    With v the learner's version, e the version being encoded (-1 if none), B the groups leased per batch
-    (prompts_per_step, more under dynamic sampling), b the groups buffered and l the groups in live leases:
+    With v the learner's version, B the groups leased per batch (prompts_per_step, more under dynamic
+    sampling), b the groups buffered, l the groups in live leases, a the seconds since x was published,
+    L the worker's measured lease time and T the step period:
 
         pull   refused unless x = v ("behind");                         room = B - b - l
-        async  refused unless v - x <= S ("stale"), x >= e ("encoding": the next version is a second
-               away, generate with it) and the scheduler has the worker active ("inactive", autoscale);
+        async  refused unless v - x <= S ("stale") and the scheduler has the worker active ("inactive",
+               autoscale). When the next batch is covered already (b + l >= B) the lease goes to a
+               later batch, taken while versions move on: refused unless a + L <= S T ("late", the
+               window rule of docs/capacity-model.md; admitted while L or T is unmeasured).
                                                                         room = prefetch_batches * B - b - l
         groups = min(m, the scheduler's lease size for this worker, room), refused ("full") if <= 0
         timeout = the scheduler's deadline for this worker; the lease expires at now + timeout
+
+    A worker that fetches versions while it generates asks with the version its engine will run the
+    lease with, so x is the version the lease starts with; it is never told to wait for a newer one
+    while x is still good (waiting would cost it the broadcast time B of every version).
     """
 
     def __init__(
@@ -56,7 +63,7 @@ class LeaseAdmission:
 
     def admit(
         self, worker: str, held: int, asked: int, now: float, *,
-        version: int, encoding: int, batch_groups: int, buffered: int, leased: int,
+        version: int, age_s: float, batch_groups: int, buffered: int, leased: int,
     ) -> Admission:  # fmt: skip
         if self.mode == "pull":
             if held != version:
@@ -65,10 +72,10 @@ class LeaseAdmission:
         else:
             if not within_staleness(version, held, self.staleness):
                 return Admission(refused="stale")
-            if held < encoding:
-                return Admission(refused="encoding")
             if self.autoscale and not self.scheduler.may_lease(worker):
                 return Admission(refused="inactive")
+            if buffered + leased >= batch_groups and not self.scheduler.returns_in_time(worker, age_s):
+                return Admission(refused="late")
             room = self.prefetch_batches * batch_groups - buffered - leased
         groups = min(asked, self.scheduler.lease_groups(worker), room)
         if groups <= 0:

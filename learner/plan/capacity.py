@@ -5,10 +5,15 @@ R rollouts per step, T = T_train seconds per step, kappa steps between versions,
 B = T_bcast seconds from the end of a step until a worker holds the version it published, and per
 worker mu_i rollouts/s, L_i seconds per lease, c_i dollars per hour.
 
-    useful window  u_i = max(0, min(kappa * T, S * T - L_i) - B)  seconds of each version's kappa * T
-                   (T here is the step period: T_train, or longer if the learner also waits for rollouts)
+    (T here is the step period: T_train, or longer if the learner also waits for rollouts)
+    overlapping worker (fetches the next version while it generates; the default daemon):
+        window     W = max(kappa * T, B)                 seconds between the versions it installs
+        useful     u_i = min(W, max(0, S * T - L_i - B)) seconds of each window whose leases return within S
+    sequential worker (stops generating to fetch, --no-overlap):
+        window     W = kappa * T
+        useful     u_i = max(0, min(kappa * T, S * T - L_i) - B)
     eligible       u_i > 0, i.e. L_i < S * T - B        (otherwise no lease can come back within S)
-    fresh supply   f_i = mu_i * u_i / (kappa * T)        rollouts/s that arrive within the bound
+    fresh supply   f_i = mu_i * u_i / W                  rollouts/s that arrive within the bound
     demand         D = (1 + margin) * R / T
     utilisation    U = min(1, sum_active f_i * T / R)
     activate       the cheapest set of eligible workers with sum f_i >= D (a covering knapsack)
@@ -30,6 +35,7 @@ class WorkerProfile:
     rollouts_per_s: float  # mu_i
     lease_s: float  # L_i
     price_per_hour: float  # c_i
+    overlap: bool = True  # fetches versions while it generates (else it stops generating to fetch)
 
 
 @dataclass(frozen=True)
@@ -67,15 +73,24 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
 
+def version_window(w: WorkerProfile, f: LearnerFigures) -> float:
+    """W: seconds between the versions the worker installs (an overlapping worker that needs longer than
+    kappa T to fetch one installs one every B seconds, skipping the versions published meanwhile)."""
+    window = f.publish_every * f.period
+    return max(window, f.bcast_s) if w.overlap else window
+
+
 def useful_window(w: WorkerProfile, f: LearnerFigures) -> float:
-    """u_i: seconds of each version's window in which a lease started with it returns within S."""
+    """u_i: seconds of each version window in which a lease started with that version returns within S."""
     t = f.period
+    if w.overlap:
+        return min(version_window(w, f), max(0.0, f.staleness * t - w.lease_s - f.bcast_s))
     return max(0.0, min(f.publish_every * t, f.staleness * t - w.lease_s) - f.bcast_s)
 
 
 def fresh_rate(w: WorkerProfile, f: LearnerFigures) -> float:
     """f_i: the worker's rollouts per second that arrive within the staleness bound."""
-    return w.rollouts_per_s * useful_window(w, f) / (f.publish_every * f.period)
+    return w.rollouts_per_s * useful_window(w, f) / version_window(w, f)
 
 
 def ineligibility(w: WorkerProfile, f: LearnerFigures) -> str | None:
@@ -83,7 +98,7 @@ def ineligibility(w: WorkerProfile, f: LearnerFigures) -> str | None:
     if w.rollouts_per_s <= 0:
         return "produces no rollouts"
     limit = f.staleness * f.period - f.bcast_s
-    if f.bcast_s >= f.publish_every * f.period:
+    if not w.overlap and f.bcast_s >= f.publish_every * f.period:
         return f"T_bcast {f.bcast_s:.3g}s >= kappa*T_train = {f.publish_every * f.period:.3g}s"
     if w.lease_s >= limit:
         return f"lease {w.lease_s:.3g}s >= S*T_train - T_bcast = {limit:.3g}s (too stale)"

@@ -285,6 +285,16 @@ class Scheduler:
         share = math.floor(c.max_groups_per_lease * state.rollouts_per_s.value / median)
         return max(1, min(c.max_groups_per_lease, share))
 
+    def returns_in_time(self, worker: str, age_s: float) -> bool:
+        """Whether a lease this worker starts now, with a version published age_s seconds ago, comes back
+        within the staleness bound: age_s + L_i <= S T (docs/capacity-model.md). True until L_i and the
+        step period are measured (no evidence to refuse on) and for S = 0 (the learner waits for it)."""
+        state = self.workers.get(worker)
+        figs = self.figures()
+        if state is None or not state.lease_s.warm or not self.train_s.warm or figs is None or figs.staleness < 1:
+            return True
+        return age_s + state.lease_s.value <= figs.staleness * figs.period
+
     def lease_deadline(self, worker: str) -> float:
         """Seconds this worker gets for a lease: three times its usual lease time, within bounds."""
         c = self.cfg

@@ -11,8 +11,10 @@ What is simulated, per event:
                scheduler gets the same observations as in a real run and re-plans
     broadcast  a version of M bytes reaches worker i encode_s + rtt_i + 1.2 * T_min + load_s after the
                step, T_min = max(M / u_s, M / d_i, N M / (u_s + sum_j u_j)) over the N connected
-               workers (peer-assisted broadcast measured 1.20 x T_min in docs/benchmarks.md); a worker
-               fetches a new version between leases, as the real daemon does
+               workers (peer-assisted broadcast measured 1.20 x T_min in docs/benchmarks.md); as the
+               real daemon does, a worker fetches (and stages) a new version while it generates and
+               installs it between leases, one staged version at a time (overlap = false: it stops
+               generating until it holds the newest version, the sequential worker)
     workers    lease up to the room the learner leaves (prefetch_batches batches), generate
                n * G / mu_i seconds (with jitter) plus a round trip, push; preemption at a per-worker
                Poisson rate, back after down_s (then a full snapshot to fetch); billed while active
@@ -69,6 +71,7 @@ class WorkerClass:
     load_s: float = 2.0  # turn a version into engine weights (GGUF write + load)
     preempt_per_hour: float = 0.0
     down_s: float = 600.0
+    overlap: bool = True  # fetch the next version while generating (false: the sequential worker)
 
 
 @dataclass
@@ -77,7 +80,9 @@ class SimWorker:
     kind: WorkerClass
     connected: bool = True
     busy_until: float = 0.0
-    held: int = -1
+    held: int = -1  # the version its engine runs
+    fetching: int = -1  # the version being fetched (-1: none)
+    staged: int = -1  # fetched and staged, installed between leases (-1: none)
     lease: int | None = None
     generation: int = 0  # bumps on preemption, so events of a previous life are ignored
     billed: float = 0.0
@@ -162,6 +167,7 @@ class Simulation:
         self.idle: list[str] = []  # workers asking for a lease (may hold stale entries: checked on use)
         self.out: list[tuple[float, int]] = []  # (time it leaves the learner, version), in order
         self.newest_out = -1
+        self.published_at: dict[int, float] = {}  # version -> when it left the learner
         self.n_connected = len(self.workers)
         self.up_connected = sum(w.kind.uplink_mbps for w in self.workers.values())
 
@@ -233,20 +239,21 @@ class Simulation:
         self._dispatch()
 
     def _on_published(self) -> None:
-        """A version left the learner: idle workers start fetching it."""
+        """A version left the learner: workers start fetching it (busy ones too: the fetch overlaps)."""
         self.newest_out = max(v for t, v in self.out if t <= self.now)
+        self.published_at.setdefault(self.newest_out, self.now)
         for w in self.workers.values():
-            if w.connected and w.lease is None and w.busy_until <= self.now:
-                self._wake(w)
+            if w.connected:
+                self._fetch_next(w)
 
     def _room(self) -> int:
         return self.p.prefetch_batches * self.p.prompts_per_step - len(self.buffer) - self.outstanding
 
     def _admit(self, w: SimWorker) -> Admission:
         """The learner's rule (learner.plan.admission) on worker w's request for a lease."""
-        encoding = self.out[-1][1] if self.out[-1][0] > self.now else -1
+        age_s = self.now - self.published_at.get(w.held, self.now)
         return self.admission.admit(
-            w.name, w.held, self.p.groups_per_lease, self.now, version=self.version, encoding=encoding,
+            w.name, w.held, self.p.groups_per_lease, self.now, version=self.version, age_s=age_s,
             batch_groups=self.p.prompts_per_step, buffered=len(self.buffer), leased=self.outstanding,
         )  # fmt: skip
 
@@ -272,8 +279,9 @@ class Simulation:
             self.at(admitted.expires_at, "deadline", lease_id)
 
     def _ready(self, w: SimWorker) -> bool:
-        """Idle, holding the newest published version (a worker fetches a newer one before it asks)."""
-        return w.connected and w.lease is None and w.busy_until <= self.now and w.held >= max(self.newest_out, 0)
+        """Idle with a version to generate with (the sequential worker: with the newest published one)."""
+        idle = w.connected and w.lease is None and w.busy_until <= self.now
+        return idle and w.held >= (0 if w.kind.overlap else max(self.newest_out, 0))
 
     def _can_lease(self, w: SimWorker) -> bool:
         """Ready and admitted but for the learner's room (it waits among the idle until there is some)."""
@@ -288,23 +296,32 @@ class Simulation:
         t_min = max(bits / up, bits / (w.kind.downlink_mbps * 1e6), swarm)
         return w.kind.rtt_s + BROADCAST_EFFICIENCY * t_min + w.kind.load_s
 
-    def _wake(self, w: SimWorker) -> None:
-        """An idle worker: fetch the newest version if it lacks it, else ask for a lease."""
+    def _fetch_next(self, w: SimWorker) -> None:
+        """Start fetching the newest version if it is newer than what w runs or staged and no fetch or
+        staged version is pending (the daemon's fetcher keeps one staged version at a time)."""
         newest = self.newest_out
-        if newest > w.held:
-            mb = self.p.full_mb if w.held < 0 else self.p.version_mb
-            w.busy_until = self.now + self._fetch_s(w, mb)
-            self.at(w.busy_until, "ready", w.name, w.generation, newest)
-        elif self._can_lease(w):
-            self.idle.append(w.name)
-            self._dispatch()
+        if w.fetching >= 0 or w.staged >= 0 or newest <= w.held:
+            return
+        w.fetching = newest
+        mb = self.p.full_mb if w.held < 0 else self.p.version_mb
+        self.at(self.now + self._fetch_s(w, mb), "fetched", w.name, w.generation, newest)
 
-    def _on_ready(self, name: str, generation: int, version: int) -> None:
+    def _on_fetched(self, name: str, generation: int, version: int) -> None:
         w = self.workers[name]
         if w.generation != generation or not w.connected:
             return
-        w.held = max(w.held, version)
-        self._wake(w)
+        w.fetching, w.staged = -1, version
+        if w.lease is None:  # idle: installed at once
+            self._wake(w)
+
+    def _wake(self, w: SimWorker) -> None:
+        """Between leases: install a staged version, start the next fetch, ask for a lease."""
+        if w.staged >= 0:
+            w.held, w.staged = max(w.held, w.staged), -1
+        self._fetch_next(w)
+        if self._can_lease(w):
+            self.idle.append(w.name)
+            self._dispatch()
 
     def _on_delivered(self, name: str, generation: int, lease_id: int) -> None:
         w = self.workers[name]
@@ -355,6 +372,7 @@ class Simulation:
         self._bill()
         self.preemptions += 1
         w.connected, w.lease, w.held, w.busy_until = False, None, -1, 0.0
+        w.fetching, w.staged = -1, -1
         w.generation += 1
         self.n_connected -= 1
         self.up_connected -= w.kind.uplink_mbps

@@ -47,9 +47,9 @@ from p2p.messages import (
     RolloutSubmission,
     SamplingParams,
 )
+from p2p.versions import float_tensors
 from p2p.wire import HEADER
 from tests.chaos.hostile import hold_streams, send_raw
-from worker.daemon import WorkerDaemon
 from worker.engines.hf import TransformersEngine
 
 
@@ -426,7 +426,7 @@ def newest_weights(adversary: Adversary) -> tuple[int, dict[str, np.ndarray]]:
     """The newest published version, fetched and checked as a worker does: (version, float32 weights)."""
     peer = BroadcastPeer(adversary.fresh(), ChunkStore(memory_budget=1 << 30), adversary.addr, use_peers=False)
     manifest, raw = peer.sync(None, timeout=300)
-    return manifest.version, WorkerDaemon._floats(manifest, raw)
+    return manifest.version, float_tensors(manifest, raw)
 
 
 def weights_finite(adversary: Adversary) -> tuple[int, bool]:

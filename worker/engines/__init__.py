@@ -1,5 +1,10 @@
-"""Inference engines. Each has `load_policy(spec, tensors)`, `load_adapters(spec, tensors)`,
-`generate(requests, params)` and `backend()` (what it computes on, for the heartbeat)."""
+"""Inference engines. Each has `generate(requests, params)`, `backend()` (what it computes on, for the
+heartbeat) and two ways to change its weights:
+
+- `stage(spec, weights, adapters)` prepares a version beside the live one (safe while generate() runs on
+  another thread), `install(staged)` swaps it in between leases, `discard(staged)` frees one not used;
+- `load_policy(spec, tensors)` and `load_adapters(spec, tensors)` do both at once.
+"""
 
 from __future__ import annotations
 

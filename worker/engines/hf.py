@@ -7,6 +7,7 @@ llama.cpp against. It needs torch and transformers (the one worker path that doe
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,6 +38,16 @@ def llama_config(spec: ModelSpec) -> LlamaConfig:
     )
 
 
+@dataclass
+class StagedWeights:
+    """A version's tensors on the engine's device, waiting for install()."""
+
+    spec: ModelSpec
+    params: dict[str, torch.Tensor]  # parameter name -> its new value
+    base: dict[str, torch.Tensor]  # a LoRA run's base weights, kept to merge later adapters onto
+    new_base: bool  # whether these are new base weights (else adapters merged on the loaded base)
+
+
 class TransformersEngine:
     """Generates groups of completions with torch on the CPU or a GPU, many prompts per forward pass.
 
@@ -54,30 +65,50 @@ class TransformersEngine:
         self.eos_ids: set[int] = set()
         self.base: dict[str, torch.Tensor] = {}  # the weights as loaded, before LoRA adapters
 
-    def load_policy(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None:
-        """Load float weights; LoRA adapters among them (a LoRA run's full snapshot) are merged in."""
-        if self.model is None or self.model.config.to_dict() != llama_config(spec).to_dict():
-            self.model = LlamaForCausalLM(llama_config(spec)).to(self.device).eval()
-        base = {
-            name: torch.from_numpy(to_float32(a)).to(self.device) for name, a in tensors.items() if not is_adapter(name)
-        }
-        self.model.load_state_dict(base, strict=False)
-        self.base = base if spec.lora_rank else {}  # kept only where adapters will be merged onto it
-        if spec.tie_embeddings:
-            self.model.tie_weights()
-        self.eos_ids = set(spec.eos_ids)
-        adapters = {name: a for name, a in tensors.items() if is_adapter(name)}
-        if adapters:
-            self.load_adapters(spec, adapters)
+    # Staging (the worker's fetcher thread) converts weights to tensors on the device while generate() runs;
+    # install() copies them into the model between leases.
 
     @torch.no_grad()
+    def stage(
+        self, spec: ModelSpec, weights: Mapping[str, np.ndarray] | None, adapters: Mapping[str, np.ndarray] | None
+    ) -> StagedWeights:
+        """Tensors for every parameter that changes: `weights` (None: keep the loaded base) with LoRA
+        `adapters` merged on top, W = W_base + (alpha / r) * B A."""
+        base = self.base
+        if weights is not None:
+            base = {name: torch.from_numpy(to_float32(a)).to(self.device) for name, a in weights.items()}
+        elif self.model is None:
+            raise RuntimeError("no policy loaded: stage weights before adapters")
+        params = dict(base) if weights is not None else {}
+        if adapters:
+            for name, delta in lora_deltas(adapters, spec.lora_alpha / spec.lora_rank):
+                params[name] = base[name] + torch.from_numpy(delta).to(self.device)
+        return StagedWeights(spec, params, base if spec.lora_rank else {}, weights is not None)
+
+    @torch.no_grad()
+    def install(self, staged: StagedWeights) -> None:
+        spec = staged.spec
+        if self.model is None or self.model.config.to_dict() != llama_config(spec).to_dict():
+            self.model = LlamaForCausalLM(llama_config(spec)).to(self.device).eval()
+        self.model.load_state_dict(staged.params, strict=False)
+        if staged.new_base:
+            self.base = staged.base  # kept only where adapters will be merged onto it
+            if spec.tie_embeddings:
+                self.model.tie_weights()
+        self.eos_ids = set(spec.eos_ids)
+
+    def discard(self, staged: StagedWeights) -> None:
+        """Nothing to free by hand: the staged tensors go with their last reference."""
+
+    def load_policy(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None:
+        """Load float weights; LoRA adapters among them (a LoRA run's full snapshot) are merged in."""
+        base = {name: a for name, a in tensors.items() if not is_adapter(name)}
+        adapters = {name: a for name, a in tensors.items() if is_adapter(name)}
+        self.install(self.stage(spec, base, adapters or None))
+
     def load_adapters(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None:
-        """Merge LoRA adapters into the loaded base: W = W_base + (alpha / r) * B A."""
-        if self.model is None:
-            raise RuntimeError("no policy loaded: call load_policy() first")
-        params = dict(self.model.named_parameters())
-        for name, delta in lora_deltas(tensors, spec.lora_alpha / spec.lora_rank):
-            params[name].copy_(self.base[name] + torch.from_numpy(delta).to(self.device))
+        """Merge LoRA adapters into the loaded base."""
+        self.install(self.stage(spec, None, tensors))
 
     def backend(self) -> dict[str, str | int]:
         """What this engine computes on, for the heartbeat (worker.hardware)."""

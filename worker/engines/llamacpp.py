@@ -13,6 +13,7 @@ import ctypes
 import logging
 import subprocess
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp
@@ -21,6 +22,7 @@ import numpy as np
 from p2p.config import ConfigError
 from p2p.draws import uniforms
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams, is_adapter
+from p2p.weights import to_float32
 from worker.gguf_writer import write_gguf, write_lora_gguf
 from worker.sampling import sample_next
 
@@ -73,6 +75,15 @@ def gpu_device() -> dict[str, str | int]:
         return {}
 
 
+@dataclass
+class StagedLlama:
+    """A version loaded beside the live one, waiting for install()."""
+
+    model: llama_cpp.llama_model_p | None  # a new model, or None: the adapters go on the loaded one
+    adapter: llama_cpp.llama_adapter_lora_p | None
+    eos_ids: set[int]
+
+
 class LlamaCppEngine:
     """Generates groups of completions with llama.cpp from a GGUF file.
 
@@ -102,31 +113,68 @@ class LlamaCppEngine:
         self.adapter: llama_cpp.llama_adapter_lora_p | None = None  # LoRA adapters on the model, if any
 
     # -- weights --------------------------------------------------------------------------------
+    # Staging runs on the worker's fetcher thread while generate() runs on the main thread with the loaded
+    # model: it writes the GGUF and loads a second model (or adapters) beside the live one. install()
+    # swaps between leases and frees the old model; only the fetcher stages, one version at a time.
+
+    def stage(
+        self, spec: ModelSpec, weights: Mapping[str, np.ndarray] | None, adapters: Mapping[str, np.ndarray] | None
+    ) -> StagedLlama:
+        """Load `weights` (None: keep the loaded model) and `adapters` on top, ready for install().
+        Wire tensors as they are (f16 goes into the F16 GGUF without a float32 round trip) or floats."""
+        model = None
+        if weights is not None:
+            weights = {name: a if a.dtype == np.float16 else to_float32(a) for name, a in weights.items()}
+            path = write_gguf(self.work_dir / "policy.gguf", spec, weights)  # renamed into place: the live
+            model = self._load_model(path)  # model's mmap keeps the file it was loaded from
+        adapter = None
+        if adapters:
+            target = model or self.model
+            if target is None:
+                raise RuntimeError("no policy loaded: stage weights before adapters")
+            adapters = {name: to_float32(a) for name, a in adapters.items()}
+            path = write_lora_gguf(self.work_dir / "adapters.gguf", spec, adapters)
+            adapter = llama_cpp.llama_adapter_lora_init(target, str(path).encode())
+            if not adapter:
+                if model is not None:
+                    llama_cpp.llama_model_free(model)
+                raise RuntimeError(f"llama.cpp could not load the LoRA adapter {path}")
+        return StagedLlama(model, adapter, set(spec.eos_ids))
+
+    def install(self, staged: StagedLlama) -> None:
+        """Swap a staged model and/or adapters in (between leases): the KV cache held the old policy."""
+        if staged.model is not None:
+            self.close()
+            self.model = staged.model
+            self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(staged.model))
+            self.eos_ids = staged.eos_ids
+        if staged.adapter is not None:
+            old, self.adapter = self.adapter, staged.adapter
+            if self.ctx is not None:
+                self._set_adapter()
+                llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
+            if old is not None:
+                llama_cpp.llama_adapter_lora_free(old)
+
+    def discard(self, staged: StagedLlama) -> None:
+        """Free a staged version that will not be installed."""
+        if staged.adapter is not None:
+            llama_cpp.llama_adapter_lora_free(staged.adapter)
+        if staged.model is not None:
+            llama_cpp.llama_model_free(staged.model)
 
     def load_policy(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None:
         """Convert float weights to an F16 GGUF in the work dir and load it; LoRA adapters among the
-        tensors (a LoRA run's full snapshot) go on top with load_adapters."""
+        tensors (a LoRA run's full snapshot) go on top."""
         base = {name: a for name, a in tensors.items() if not is_adapter(name)}
-        self.load_gguf(write_gguf(self.work_dir / "policy.gguf", spec, base), spec.eos_ids)
         adapters = {name: a for name, a in tensors.items() if is_adapter(name)}
-        if adapters:
-            self.load_adapters(spec, adapters)
+        self.install(self.stage(spec, base, adapters or None))
 
     def load_adapters(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None:
-        """Hot-swap LoRA adapters onto the loaded model: written as a GGUF adapter and set on the live
-        context (no model reload); the KV cache is cleared, as it holds states of the old adapters."""
+        """Hot-swap LoRA adapters onto the loaded model (no model reload)."""
         if self.model is None:
             raise RuntimeError("no policy loaded: call load_policy() first")
-        path = write_lora_gguf(self.work_dir / "adapters.gguf", spec, tensors)
-        adapter = llama_cpp.llama_adapter_lora_init(self.model, str(path).encode())
-        if not adapter:
-            raise RuntimeError(f"llama.cpp could not load the LoRA adapter {path}")
-        old, self.adapter = self.adapter, adapter
-        if self.ctx is not None:
-            self._set_adapter()
-            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
-        if old is not None:
-            llama_cpp.llama_adapter_lora_free(old)
+        self.install(self.stage(spec, None, tensors))
 
     def _set_adapter(self) -> None:
         adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(self.adapter)
@@ -135,15 +183,15 @@ class LlamaCppEngine:
             raise RuntimeError("llama.cpp refused to set the LoRA adapter on its context")
 
     def load_gguf(self, path: str | Path, eos_ids: Sequence[int]) -> None:
-        self.close()
+        self.install(StagedLlama(self._load_model(path), None, set(eos_ids)))
+
+    def _load_model(self, path: str | Path) -> llama_cpp.llama_model_p:
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = self.gpu_layers
         model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not model:
             raise RuntimeError(f"llama.cpp could not load {path}: is it a valid GGUF of a llama model?")
-        self.model = model
-        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-        self.eos_ids = set(eos_ids)
+        return model
 
     def backend(self) -> dict[str, str | int]:
         """What this engine computes on, for the heartbeat: the GPU backend when layers are offloaded."""

@@ -1,0 +1,165 @@
+"""The worker's background fetcher: keeps the next policy version ready while the engine generates.
+
+    every poll_s: heartbeat -> newest version v' announced by the learner
+    v' newer than what the engine runs (or has staged)?  sync to it through the swarm (deltas, checked
+    by hash), then stage it in the engine beside the live weights; the daemon installs it between leases
+
+So a new version costs the worker only the swap (microseconds for llama.cpp: a pointer; a copy for
+transformers), not the broadcast time B: the capacity model's supply is no longer reduced by B
+(docs/capacity-model.md). One version is staged at a time: a newer one is fetched once the staged one
+is installed, so the engine is at most one fetch behind the learner.
+
+The fetcher owns the raw weights last fetched (`held`, the base the next delta applies to); the daemon
+owns the engine's version. Errors are the fetcher's to absorb: it logs, waits and tries again; the
+daemon's own requests notice an unreachable learner.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from p2p.broadcast import BroadcastPeer
+from p2p.codec import CodecError
+from p2p.host import PeerUnavailable, RemoteError, Unauthorized
+from p2p.manifest import Manifest, ManifestError
+from p2p.messages import MessageError, ModelSpec, is_adapter
+from p2p.versions import tensors_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StagedVersion:
+    """A version fetched and loaded into the engine beside the live weights, not yet installed."""
+
+    version: int
+    engine_state: Any  # what engine.stage() returned
+    fetch_s: float  # seconds from seeing the version announced to staged
+
+
+class VersionFetcher:
+    """Runs on its own thread for one run of the learner (a new run_id gets a new fetcher).
+
+    `newest()` sends a heartbeat and returns the newest version the learner announced. `running()` is
+    the version the engine runs (-1: none yet)."""
+
+    def __init__(
+        self,
+        peer: BroadcastPeer,
+        engine: Any,
+        spec: ModelSpec,
+        newest: Callable[[], int],
+        running: Callable[[], int],
+        poll_s: float = 1.0,
+    ) -> None:
+        self.peer = peer
+        self.engine = engine
+        self.spec = spec
+        self._newest = newest
+        self._running = running
+        self.poll_s = poll_s
+        self.held: tuple[int, bytes] | None = None  # (version, raw 16-bit weights as published)
+        self._held_manifest: Manifest | None = None  # the manifest of held[0]
+        self.announced = -1  # newest version the learner announced
+        self.fetching = -1  # version being fetched now (-1: none)
+        self.engine_base = -1  # the weights version last staged (the engine's base once installed)
+        self._staged: StagedVersion | None = None
+        self._lock = threading.Lock()
+        self.ready = threading.Event()  # set while a staged version waits to be installed
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="fetcher", daemon=True)
+
+    def start(self) -> VersionFetcher:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop fetching (a sync in flight is abandoned) and free a staged version."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        with self._lock:
+            staged, self._staged = self._staged, None
+        if staged is not None:
+            self.engine.discard(staged.engine_state)
+
+    def poke(self) -> None:
+        """Check the learner's newest version now rather than at the next poll."""
+        self._wake.set()
+
+    def take(self) -> StagedVersion | None:
+        """The staged version, for the daemon to install between leases (None if none is ready)."""
+        with self._lock:
+            staged, self._staged = self._staged, None
+            self.ready.clear()
+        if staged is not None:
+            self._wake.set()  # the slot is free: fetch the next one if there is one
+        return staged
+
+    # -- the thread -------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        backoff = self.poll_s
+        while not self._stop.is_set():
+            try:
+                self.announced = self._newest()
+                if self._staged is None and self.announced >= 0 and self.announced != self._running():
+                    self._fetch_and_stage()
+                backoff = self.poll_s
+            except (PeerUnavailable, Unauthorized, RemoteError, MessageError, TimeoutError) as exc:
+                if self._stop.is_set():
+                    return
+                log.info("fetcher: %s; trying again in %.0fs", exc, backoff)
+                backoff = min(backoff * 2, 10.0)
+            except (CodecError, ManifestError) as exc:  # a bad version: start over from a full snapshot
+                log.warning("could not rebuild the policy (%s); fetching it again", exc)
+                self.held = None
+            finally:
+                self.fetching = -1
+            self._wake.wait(backoff)
+            self._wake.clear()
+
+    def _fetch_and_stage(self) -> None:
+        """Sync to the learner's newest version and stage it in the engine.
+
+        A LoRA version carries only adapters for the full weights of an earlier version (its adapter_base):
+        sync the weights to that base if they are not held, then fetch the adapters and stage them (on the
+        staged base, or on the engine's loaded one)."""
+        tick = time.perf_counter()
+        self.fetching = self.announced
+        # LoRA: adapters on a base that stays; otherwise the newest weights, whichever version that is by
+        # the time the learner answers (pinning a version a fast learner has dropped since would livelock)
+        lora = self.peer.fetch_manifest() if self.spec.lora_rank else None
+        base = None if lora is None else lora.version if lora.adapter_base is None else lora.adapter_base
+        if base is None or self.held is None or self.held[0] != base:
+            result = self.peer.sync(self.held, stop=self._stop, version=base)
+            if result is not None:
+                self._held_manifest, self.held = result[0], (result[0].version, result[1])
+        if self.held is None:
+            return
+        weights, adapters, version = None, None, self._running()
+        if self.held[0] != self.engine_base:  # new weights (a LoRA run's full snapshot carries adapters too)
+            tensors = tensors_of(self._held_manifest, self.held[1])
+            weights = {name: a for name, a in tensors.items() if not is_adapter(name)}
+            adapters = {name: a for name, a in tensors.items() if is_adapter(name)} or None
+            version = self.held[0]
+        if lora is not None and lora.adapter_base is not None and lora.version != version:
+            adapters = tensors_of(lora, self.peer.fetch_adapters(lora, stop=self._stop))
+            version = lora.version
+        if weights is None and adapters is None:
+            return
+        state = self.engine.stage(self.spec, weights, adapters)
+        if weights is not None:
+            self.engine_base = self.held[0]
+        staged = StagedVersion(version, state, time.perf_counter() - tick)
+        with self._lock:
+            self._staged = staged
+            self.ready.set()
+        log.debug("v%d staged (%.1fs to fetch and load)", version, staged.fetch_s)
