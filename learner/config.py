@@ -189,6 +189,9 @@ class SwarmConfig:
     """Every this many publications is a full snapshot; the others are XOR deltas of the 16-bit weights."""
     wire_dtype: Literal["bf16", "f16"] = "f16"
     """16-bit format of published weights: f16 (exactly what the workers' F16 GGUF holds) or bf16 (smaller deltas)."""
+    wire_topk: float = 1.0
+    """Share of each weight matrix's coordinates a delta version changes: the largest changes; the rest is
+    carried to later versions (error feedback). 1: every change."""
     chunk_memory_mb: int = 256
     """Published chunks kept in memory, MB; older ones are served from RUN_DIR/chunks on disk."""
     lease_timeout: float = 120.0
@@ -229,6 +232,7 @@ class SwarmConfig:
         require(self.staleness >= 0, "swarm.staleness", f"must be >= 0, got {self.staleness}")
         require(self.publish_every >= 1, "swarm.publish_every", "must be >= 1")
         require(self.full_every >= 1, "swarm.full_every", "must be >= 1")
+        require(0 < self.wire_topk <= 1, "swarm.wire_topk", f"must be in (0, 1], got {self.wire_topk}")
         require(self.chunk_memory_mb >= 0, "swarm.chunk_memory_mb", f"must be >= 0, got {self.chunk_memory_mb}")
         require(self.lease_timeout > 0, "swarm.lease_timeout", "must be > 0")
         require(self.groups_per_lease >= 1, "swarm.groups_per_lease", "must be >= 1")

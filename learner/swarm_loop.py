@@ -89,6 +89,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
             full_every=cfg.swarm.full_every,
             dtype=cfg.swarm.wire_dtype,
             lora=cfg.model.lora_rank > 0,
+            topk=cfg.swarm.wire_topk,
         )
         # the journal: accepted groups and each step's batch, so that a killed learner loses none of them
         resumed = read_journal(run.run_dir, run.start_step) if resume else JournalState()
@@ -122,6 +123,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
         service.advance(version)
 
         def publish(version: int, tensors: dict) -> None:
+            tensors = publisher.carry(tensors)  # what workers will hold (the largest changes, with wire_topk < 1)
             manifest = publisher.publish(version, tensors)
             verifier.remember(version, tensors, manifest.adapter_base)
             service.mark_published(version, manifest.payload_size)

@@ -93,12 +93,21 @@ def _planes(raw: bytes) -> bytes:
     return words[:, 1].tobytes() + words[:, 0].tobytes() + raw[even:]
 
 
-def _unplanes(data: bytes) -> bytes:
+def _unplanes(data: bytes, xor_with: bytes | None = None) -> bytes:
+    """Inverse of _planes; with `xor_with`, XORed with it on the way (one copy of the weights, not three:
+    each fresh buffer of a version's size costs a page fault per 4 KiB)."""
     half = len(data) // 2
     out = np.empty((half, 2), dtype=np.uint8)
     out[:, 1] = np.frombuffer(data, dtype=np.uint8, count=half)
     out[:, 0] = np.frombuffer(data, dtype=np.uint8, count=half, offset=half)
-    return out.tobytes() + data[2 * half :]
+    tail = data[2 * half :]
+    if xor_with is not None:
+        if len(xor_with) != len(data):
+            raise CodecError(f"delta and base differ in size ({len(data)} vs {len(xor_with)} bytes): wrong base")
+        flat = out.reshape(-1)
+        np.bitwise_xor(flat, np.frombuffer(xor_with, dtype=np.uint8, count=2 * half), out=flat)
+        tail = xor_bytes(tail, xor_with[2 * half :])
+    return out.tobytes() + tail
 
 
 def xor_bytes(a: bytes, b: bytes) -> bytes:
@@ -122,8 +131,7 @@ def decode(payload: bytes, raw_size: int, base_raw: bytes | None = None) -> byte
         raise CodecError(f"corrupt payload: {exc}") from None
     if len(planes) != raw_size:
         raise CodecError(f"payload decodes to {len(planes)} bytes, expected {raw_size}")
-    data = _unplanes(planes)
-    return data if base_raw is None else xor_bytes(data, base_raw)
+    return _unplanes(planes, base_raw)
 
 
 def split_chunks(payload: bytes, chunk_size: int = DEFAULT_CHUNK) -> list[bytes]:

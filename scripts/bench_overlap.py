@@ -14,6 +14,9 @@ the same worker pipeline runs in three modes, interleaved for `--rounds` rounds 
     sequential  the same stream; before each lease the worker waits until it holds the newest
                 version (the daemon with --no-overlap, and every worker before #17)
 
+`--learner-up` caps the learner host's upload (a token bucket, as `bench broadcast` does), so a
+version takes the time a real link needs; without it the transfer is loopback, bound by CPU.
+
 A lease is 4 prompt groups x 8 completions of up to 48 tokens (the demo's shape). The learner side is
 a real Seeder on another libp2p host of this process; versions are encoded before the timed part, so
 encoding costs the worker's CPU nothing (on a real swarm the learner is another machine). Reported:
@@ -41,7 +44,7 @@ from learner.train.models import load_policy, model_spec
 from learner.train.wire_weights import wire_dtypes, wire_tensors
 from p2p.broadcast import BroadcastPeer, Seeder
 from p2p.chunk_store import ChunkStore
-from p2p.host import Host
+from p2p.host import Host, HostConfig
 from p2p.messages import GenerationRequest, SamplingParams
 from p2p.versions import PolicyVersion, build_version
 from worker.engines.llamacpp import LlamaCppEngine
@@ -76,9 +79,10 @@ def encode_versions(model: str, n: int, lr: float) -> tuple[list[PolicyVersion],
 
 
 def run_mode(mode: str, versions: list[PolicyVersion], signer: Host, engine: LlamaCppEngine, spec, prompts,
-             seconds: float, period: float) -> dict:  # fmt: skip
+             seconds: float, period: float, learner_up: float | None) -> dict:  # fmt: skip
     """One timed segment: a fresh seeder (the signer's identity) and a fresh worker peer."""
-    learner_host = Host(signer.key).start()  # the learner's identity: the manifests are signed with it
+    cap = HostConfig(upload_bps=learner_up * 1e6 / 8 if learner_up else None)
+    learner_host = Host(signer.key, cap).start()  # the learner's identity: the manifests are signed with it
     seeder = Seeder(learner_host, ChunkStore(memory_budget=2 << 30))
     seeder.publish(versions[0])
     worker_host = Host().start()
@@ -154,6 +158,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=90.0, help="length of one timed segment")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads of the worker")
+    parser.add_argument("--learner-up", type=float, default=None, help="learner upload cap, Mbit/s (none: loopback)")
     parser.add_argument("--lr", type=float, default=5e-6, help="learning rate of the steps (the demo's)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -171,7 +176,9 @@ def main() -> None:
     segments = []
     for _ in range(args.rounds):
         for mode in ("static", "overlap", "sequential"):
-            segments.append(run_mode(mode, versions, signer, engine, spec, prompts, args.seconds, args.period))
+            segments.append(
+                run_mode(mode, versions, signer, engine, spec, prompts, args.seconds, args.period, args.learner_up)
+            )
             if not args.json:
                 print(json.dumps(segments[-1]), flush=True)
     rate = {
@@ -185,6 +192,7 @@ def main() -> None:
         "seconds": args.seconds,
         "rounds": args.rounds,
         "threads": args.threads,
+        "learner_up_mbit": args.learner_up,
         "rollouts_per_s": {m: round(r, 3) for m, r in rate.items()},
         "overlap_of_static": round(rate["overlap"] / rate["static"], 3),
         "sequential_of_static": round(rate["sequential"] / rate["static"], 3),

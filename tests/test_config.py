@@ -29,6 +29,8 @@ def test_toml_then_cli_overrides(tmp_path):
         ("", {"engine": "vllm"}, "must be one of llamacpp, transformers"),
         ("", {"group_size": "64"}, "sampler.max_batch: must be >= grpo.group_size"),
         ("", {"temperature": "0"}, "sampler.temperature: must be > 0"),
+        ("", {"wire_topk": "0"}, "swarm.wire_topk: must be in (0, 1]"),
+        ("[swarm]\nwire_topk = 1.5\n", {}, "swarm.wire_topk: must be in (0, 1]"),
         ("[grpo\n", {}, "is not valid TOML"),
     ],
 )

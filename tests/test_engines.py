@@ -77,3 +77,30 @@ def test_load_rejects_a_broken_file(tmp_path):
     eng = LlamaCppEngine(tmp_path, threads=1)
     with pytest.raises(RuntimeError, match="could not load"):
         eng.load_gguf(bad, [2])
+
+
+def test_a_new_version_reuses_the_gguf_layout_byte_for_byte(tiny, tmp_path):
+    """Versions after the first are written into the first file's layout (metadata copied, not packed
+    again): the file is the very bytes a fresh write gives, and the staged model is the new weights."""
+    from worker.gguf_writer import GGUFLayout, gguf_arrays, write_gguf
+
+    spec = model_spec(tiny)
+    first = write_gguf(tmp_path / "a.gguf", spec, wire_tensors(tiny.model, "f16"))
+    layout = GGUFLayout.of(first)
+    with torch.no_grad():
+        changed = {name: p + 0.01 for name, p in tiny.model.state_dict().items()}
+    newer = wire_tensors(tiny.model, "f16", state=changed)
+    fresh = write_gguf(tmp_path / "b.gguf", spec, newer)
+    assert layout.fits(gguf_arrays(spec, newer))
+    reused = layout.write(tmp_path / "c.gguf", gguf_arrays(spec, newer))
+    assert reused.read_bytes() == fresh.read_bytes()
+
+    eng = LlamaCppEngine(tmp_path / "engine", threads=2, max_batch=8)  # stage twice: the second reuses it
+    eng.install(eng.stage(spec, wire_tensors(tiny.model, "f16"), None))
+    eng.install(eng.stage(spec, newer, None))
+    reference = LlamaCppEngine(tmp_path / "reference", threads=2, max_batch=8)
+    reference.load_gguf(fresh, spec.eos_ids)
+    tokens = [1, 5, 9, 3]
+    assert np.array_equal(eng.logits(tokens), reference.logits(tokens))
+    eng.close()
+    reference.close()

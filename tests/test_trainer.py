@@ -227,3 +227,47 @@ def test_wire_tensors_are_a_copy_of_the_weights(dtype):
         for p in policy.model.parameters():
             p.add_(1.0)
     assert all(np.array_equal(before[name], a) for name, a in tensors.items())
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_sparse_deltas_carry_the_rest_forward(dtype):
+    """wire_topk < 1: a delta version changes only the largest share of each matrix's changes; what is
+    left stays owed and is sent later (error feedback), so the workers' weights reach the learner's; the
+    chain of deltas rebuilds exactly the carried weights; a full snapshot sends everything."""
+    import numpy as np
+
+    from learner.orchestrate.publisher import Publisher
+    from p2p.versions import build_version, rebuild_raw, tensors_of
+    from p2p.weights import to_float32
+
+    model = tiny_policy(seed=3).model
+    publisher = Publisher(seeder=None, run_id="r", full_every=100, dtype=dtype, topk=0.1)
+
+    def publish(version: int) -> dict:
+        tensors = publisher.carry(publisher.snapshot(model))
+        pv, raw = build_version("r", version, tensors, base=publisher.previous)
+        publisher.previous, publisher.published = (version, raw), publisher.published + 1
+        return tensors, pv
+
+    first, pv0 = publish(0)  # the first version is full: workers get the weights exactly
+    held = rebuild_raw(pv0.manifest, pv0.chunks)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # one large step, then the target stays put
+    target = publisher.snapshot(model)
+    for version in range(1, 40):
+        carried, pv = publish(version)
+        held = rebuild_raw(pv.manifest, pv.chunks, held)  # what a worker following the chain holds
+        assert all(np.array_equal(tensors_of(pv.manifest, held)[n], carried[n]) for n in carried)
+        if version == 1:
+            for name, a in carried.items():
+                if a.ndim < 2:
+                    assert np.array_equal(a, target[name])  # norms go whole
+                    continue
+                changed = (a != first[name]).mean()
+                assert 0 < changed <= 0.1 + 1e-3, (name, changed)  # at most topk of the matrix changes
+                # and those are the largest changes: every changed coordinate moved at least as far as any unsent one
+                gap = np.abs(to_float32(target[name]) - to_float32(first[name]))
+                sent = a != first[name]
+                assert gap[sent].min() >= gap[~sent].max() - 1e-12
+    assert all(np.array_equal(carried[n], target[n]) for n in target)  # nothing lost: all of it arrived

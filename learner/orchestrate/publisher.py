@@ -12,8 +12,25 @@ from p2p.broadcast import Seeder
 from p2p.codec import DEFAULT_CHUNK
 from p2p.manifest import Manifest
 from p2p.versions import build_version
+from p2p.weights import to_float32
 
 log = logging.getLogger(__name__)
+
+
+EXACT_TOPK_UP_TO = 1 << 20  # coordinates: an exact k-th largest below this, a sampled quantile above
+
+
+def top_share_threshold(values: np.ndarray, share: float, seed: int = 0) -> float:
+    """The value above which lies the `share` largest part of `values` (1-D): exact for small arrays; for
+    large ones the quantile of a 2^20 random sample, which keeps about `share` (within a few percent of
+    it) at O(n) instead of a sort of every weight matrix on the learner's CPU."""
+    k = max(1, int(share * values.size))
+    if k >= values.size:
+        return float(values.min())
+    if values.size > EXACT_TOPK_UP_TO:
+        sample = values[np.random.default_rng(seed).integers(0, values.size, EXACT_TOPK_UP_TO)]
+        return float(np.quantile(sample, 1 - share))
+    return float(np.partition(values, values.size - k)[values.size - k])
 
 
 class Publisher:
@@ -26,6 +43,14 @@ class Publisher:
     before the newest are dropped from the store: a late joiner needs the newest snapshot and the deltas
     after it, and a worker still fetching the previous chain can finish it.
     Workers learn of a new version from the learner's heartbeat and lease replies (`newest`).
+
+    Sparse deltas (`topk` < 1, error feedback): a delta version changes only the `topk` share of each
+    weight matrix's coordinates where the workers' weights W_pub are furthest from the learner's W
+    (rounded to the wire format): W_pub[i] = round16(W[i]) for the largest |round16(W[i]) - W_pub[i]|,
+    unchanged elsewhere. The rest is not lost: it stays in W - W_pub and is sent once it is among the
+    largest. Workers sample from W_pub exactly (its hash is signed, the verifier replays it), and the
+    objective's ratio pi_W / mu_W_pub corrects for the lag like any other staleness. A full snapshot
+    sends round16(W) whole and W_pub catches up.
 
     LoRA runs (`lora`): the first publication is a full snapshot (frozen base and adapters); every later
     one carries only the adapters and names that snapshot as its base (adapter_base). The store keeps
@@ -40,6 +65,7 @@ class Publisher:
         chunk_size: int = DEFAULT_CHUNK,
         dtype: str = "f16",
         lora: bool = False,
+        topk: float = 1.0,
     ) -> None:
         self.seeder = seeder
         self.lora = lora
@@ -51,6 +77,8 @@ class Publisher:
         self.published = 0
         self.previous: tuple[int, bytes] | None = None  # (version, raw bf16 bytes) of the last publication
         self.last_full: int | None = None  # the newest full snapshot
+        self.topk = topk  # share of each matrix's coordinates a delta version changes (1: all)
+        self.sent: dict[str, np.ndarray] = {}  # W_pub: the 16-bit weights the workers hold (topk < 1)
 
     def held_gib(self) -> float:
         """Memory held: the raw 16-bit bytes of the last publication (the next delta's base), GiB."""
@@ -60,10 +88,39 @@ class Publisher:
         """The model's weights in the wire format (see wire_tensors); LoRA runs: adapters only after the base."""
         return wire_tensors(model, self.dtype, self.lora and self.base is not None, state)
 
+    def next_is_full(self) -> bool:
+        """Whether the next publication is a full snapshot (the first, and every full_every-th)."""
+        adapter = self.lora and self.base is not None
+        return not adapter and (self.previous is None or self.published % self.full_every == 0)
+
+    def carry(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The weights the next version gives workers: `tensors` (the learner's, in the wire format) where
+        the version is full or topk is 1; else W_pub with only the largest topk share of each matrix's
+        changes applied (the class docstring). Returns arrays the caller may keep: they are not changed later."""
+        if self.topk >= 1 or self.lora:
+            return tensors
+        if self.next_is_full() or set(self.sent) != set(tensors):
+            self.sent = {name: a.copy() for name, a in tensors.items()}
+            return tensors
+        out = {}
+        for name, new in tensors.items():
+            old = self.sent[name]
+            if new.ndim < 2:  # norms: a few KB, always whole
+                out[name] = new
+                continue
+            change = np.abs(to_float32(new) - to_float32(old)).reshape(-1)  # 0 where the 16-bit value is the same
+            take = change >= top_share_threshold(change, self.topk)
+            take &= change > 0
+            carried = old.copy()
+            carried.reshape(-1)[take] = new.reshape(-1)[take]
+            out[name] = carried
+        self.sent = out
+        return out
+
     def publish(self, version: int, tensors: dict[str, np.ndarray]) -> Manifest:
         """Encode a snapshot as a full or delta version, sign it, hand it to the seeder, announce it."""
         adapter = self.lora and self.base is not None
-        full = not adapter and (self.previous is None or self.published % self.full_every == 0)
+        full = self.next_is_full()
         pv, raw = build_version(
             self.run_id, version, tensors, wire_dtypes(tensors),
             base=None if full or adapter else self.previous, chunk_size=self.chunk_size,

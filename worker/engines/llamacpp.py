@@ -23,7 +23,7 @@ from p2p.config import ConfigError
 from p2p.draws import uniforms
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams, is_adapter
 from p2p.weights import to_float32
-from worker.gguf_writer import write_gguf, write_lora_gguf
+from worker.gguf_writer import GGUFLayout, gguf_arrays, write_gguf, write_lora_gguf
 from worker.sampling import sample_next
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,7 @@ class LlamaCppEngine:
         self.n_vocab = 0
         self.eos_ids: set[int] = set()
         self.adapter: llama_cpp.llama_adapter_lora_p | None = None  # LoRA adapters on the model, if any
+        self._layout: tuple[ModelSpec, GGUFLayout] | None = None  # of the last GGUF written, to reuse
 
     # -- weights --------------------------------------------------------------------------------
     # Staging runs on the worker's fetcher thread while generate() runs on the main thread with the loaded
@@ -125,8 +126,7 @@ class LlamaCppEngine:
         model = None
         if weights is not None:
             weights = {name: a if a.dtype == np.float16 else to_float32(a) for name, a in weights.items()}
-            path = write_gguf(self.work_dir / "policy.gguf", spec, weights)  # renamed into place: the live
-            model = self._load_model(path)  # model's mmap keeps the file it was loaded from
+            model = self._load_model(self._write(spec, weights))
         adapter = None
         if adapters:
             target = model or self.model
@@ -162,6 +162,17 @@ class LlamaCppEngine:
             llama_cpp.llama_adapter_lora_free(staged.adapter)
         if staged.model is not None:
             llama_cpp.llama_model_free(staged.model)
+
+    def _write(self, spec: ModelSpec, weights: Mapping[str, np.ndarray]) -> Path:
+        """The weights as an F16 GGUF, renamed into place (the live model's mmap keeps the file it was
+        loaded from): the first time whole, then into the same layout with the metadata copied."""
+        path = self.work_dir / "policy.gguf"
+        arrays = gguf_arrays(spec, weights)
+        if self._layout is not None and self._layout[0] == spec and self._layout[1].fits(arrays):
+            return self._layout[1].write(path, arrays)
+        path = write_gguf(path, spec, weights)
+        self._layout = (spec, GGUFLayout.of(path))
+        return path
 
     def load_policy(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None:
         """Convert float weights to an F16 GGUF in the work dir and load it; LoRA adapters among the
