@@ -26,15 +26,20 @@ def check_accounting(metrics: list[dict], staleness: int) -> None:
     assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
 
 
-@pytest.mark.parametrize("mode, staleness, wire", [("async", 1, "bf16"), ("pull", 0, "f16")])
-def test_learner_and_two_workers_train(swarm, mode, staleness, wire, tmp_path):
+@pytest.mark.parametrize(
+    "mode, staleness, wire, topk, w2", [("async", 1, "bf16", "0.05", ["--no-overlap"]), ("pull", 0, "f16", "1", [])]
+)
+def test_learner_and_two_workers_train(swarm, mode, staleness, wire, topk, w2, tmp_path):
+    """async: sparse deltas (wire_topk 0.05: the verifier replays the carried weights the workers hold), one
+    worker that fetches while it generates and one that stops to fetch; pull: full f16 deltas."""
     data = tmp_path / "prompts.jsonl"  # a reward half of a random model's samples earn: groups carry signal
     data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": 0}) + "\n" for i in range(8)))
     task = ["--task", f"jsonl:{data}", "--task-args", "reward=tests.rewards:starts_ascii"]
     learner = swarm.learner(
-        "--steps", "8", "--sync-mode", mode, "--staleness", str(staleness), "--wire-dtype", wire, *task
+        "--steps", "8", "--sync-mode", mode, "--staleness", str(staleness), "--wire-dtype", wire,
+        "--wire-topk", topk, *task,
     )  # fmt: skip
-    workers = [swarm.worker("w1"), swarm.worker("w2")]
+    workers = [swarm.worker("w1"), swarm.worker("w2", *w2)]
     assert swarm.wait(learner, 240) == 0, swarm.log("learner")[-3000:]
     for w in workers:  # SIGTERM: a worker leaves cleanly
         w.send_signal(signal.SIGTERM)
@@ -47,7 +52,8 @@ def test_learner_and_two_workers_train(swarm, mode, staleness, wire, tmp_path):
     assert sum(w["groups_accepted"] for w in metrics[-1]["workers"].values()) >= 16
     assert (swarm.run_dir / "checkpoints" / "step-000008").exists()
     assert sum(m["trained_tokens"] > 0 for m in metrics) >= 4 and weights_moved(swarm.run_dir)  # it trained
-    assert all(m["skipped_updates"] == 0 for m in metrics)
+    assert all(m["skipped_updates"] == 0 and m["groups_dropped_flagged"] == 0 for m in metrics)
+    assert all("now on v" in swarm.log(w) for w in ("w1", "w2"))
     res = run_cli("report", str(swarm.run_dir), "--json")  # every plot of a swarm run, from real metrics
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["skipped"] == []

@@ -1,0 +1,69 @@
+"""The worker's fetcher (worker/fetcher.py): versions synced and staged beside the live engine, over real
+libp2p hosts on 127.0.0.1, installed only when the daemon says so."""
+
+import threading
+
+import numpy as np
+import torch
+
+from learner.orchestrate.publisher import Publisher
+from learner.train.models import model_spec
+from learner.train.wire_weights import wire_dtypes
+from p2p.broadcast import BroadcastPeer, Seeder
+from p2p.chunk_store import ChunkStore
+from p2p.host import Host
+from p2p.versions import build_version, tensors_of
+from worker.engines.llamacpp import LlamaCppEngine
+from worker.fetcher import VersionFetcher
+
+
+def test_the_next_version_is_staged_while_the_engine_runs_the_previous(tiny, tmp_path):
+    learner, worker = Host().start(), Host().start()
+    try:
+        seeder = Seeder(learner, ChunkStore())
+        publisher = Publisher(seeder, run_id="run", full_every=10, dtype="f16")
+        publisher.publish(0, publisher.snapshot(tiny.model))
+        spec = model_spec(tiny)
+        engine = LlamaCppEngine(tmp_path / "engine", threads=2, max_batch=8)
+        peer = BroadcastPeer(worker, ChunkStore(), learner.addrs[0])
+        peer.join()
+        running = {"version": -1}
+        fetcher = VersionFetcher(
+            peer, engine, spec, lambda: publisher.published - 1, lambda: running["version"], poll_s=0.1
+        ).start()
+        assert fetcher.ready.wait(60)
+        staged = fetcher.take()
+        assert staged.version == 0 and fetcher.take() is None  # taken once
+        engine.install(staged.engine_state)
+        running["version"] = 0
+        tokens = [1, 5, 9, 3]
+        v0_logits = engine.logits(tokens)
+
+        with torch.no_grad():  # the learner trains a step and publishes v1 as a delta
+            for p in tiny.model.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        publisher.publish(1, publisher.snapshot(tiny.model))
+        assert fetcher.ready.wait(60)
+        assert np.array_equal(engine.logits(tokens), v0_logits)  # staged, not installed: still v0
+        staged = fetcher.take()
+        assert staged.version == 1 and fetcher.held[0] == 1
+        engine.install(staged.engine_state)
+        running["version"] = 1
+
+        # what a worker that loads v1 from scratch computes
+        tensors = publisher.snapshot(tiny.model)
+        pv, raw = build_version("run", 1, tensors, wire_dtypes(tensors))
+        reference = LlamaCppEngine(tmp_path / "reference", threads=2, max_batch=8)
+        reference.load_policy(spec, tensors_of(pv.manifest, raw))
+        assert np.array_equal(engine.logits(tokens), reference.logits(tokens))
+        assert not np.array_equal(v0_logits, reference.logits(tokens))
+        assert not fetcher.ready.wait(0.5)  # nothing newer: nothing staged
+        stopped = threading.Thread(target=fetcher.stop)
+        stopped.start()
+        stopped.join(30)
+        assert not stopped.is_alive()
+        engine.close()
+        reference.close()
+    finally:
+        learner.stop()
+        worker.stop()
