@@ -7,6 +7,12 @@ versions, so the XOR is mostly zero bytes and compresses far below the snapshot.
 the bytes are split into planes (all high bytes, then all low bytes) because the high byte (sign and
 exponent) changes even more rarely than the low one. Reconstruction is bit-exact and checked against
 the sha256 of the raw weights; a delta applies only to the base whose hash it names.
+
+A sparse delta (when few 16-bit words changed, as with the learner's --wire-topk) lists them instead:
+zstd(count, the gaps between the indices of changed words as uint32, the XOR of each changed word),
+integers in byte planes too. It costs bytes in proportion to the changed words (scattered changes
+break the zero runs of a dense XOR into many short ones), and the worker applies it in time
+proportional to them as well.
 """
 
 from __future__ import annotations
@@ -132,6 +138,46 @@ def decode(payload: bytes, raw_size: int, base_raw: bytes | None = None) -> byte
     if len(planes) != raw_size:
         raise CodecError(f"payload decodes to {len(planes)} bytes, expected {raw_size}")
     return _unplanes(planes, base_raw)
+
+
+SPARSE_BELOW = 0.05  # share of changed 16-bit words under which a delta is encoded sparse
+
+
+def changed_words(raw: bytes, base_raw: bytes) -> np.ndarray:
+    """Indices of the 16-bit words in which raw and base_raw differ (both of one even size)."""
+    if len(raw) != len(base_raw) or len(raw) % 2:
+        raise CodecError(f"delta and base differ in size or are odd ({len(raw)} vs {len(base_raw)} bytes)")
+    return np.flatnonzero(np.frombuffer(raw, np.uint16) != np.frombuffer(base_raw, np.uint16))
+
+
+def encode_sparse(raw: bytes, base_raw: bytes, changed: np.ndarray) -> bytes:
+    """A sparse delta: the changed words' index gaps and XORs (see the module docstring)."""
+    gaps = np.diff(changed, prepend=-1).astype(np.uint32)  # [k] >= 1
+    xors = np.frombuffer(raw, np.uint16)[changed] ^ np.frombuffer(base_raw, np.uint16)[changed]  # [k]
+    gap_planes = gaps.view(np.uint8).reshape(-1, 4).T.tobytes()  # 4 planes: the high ones mostly zero
+    body = np.uint64(len(changed)).tobytes() + gap_planes + _planes(xors.tobytes())
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1).compress(body)
+
+
+def decode_sparse(payload: bytes, raw_size: int, base_raw: bytes) -> bytes:
+    """Inverse of `encode_sparse` on `base_raw`; raises CodecError on corrupt input."""
+    if len(base_raw) != raw_size or raw_size % 2:
+        raise CodecError(f"a sparse delta of {raw_size} bytes needs a base of that size (got {len(base_raw)})")
+    try:
+        body = zstandard.ZstdDecompressor().decompress(payload, max_output_size=8 + 3 * raw_size)
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"corrupt payload: {exc}") from None
+    k = int(np.frombuffer(body[:8], np.uint64)[0]) if len(body) >= 8 else -1
+    if k < 0 or k > raw_size // 2 or len(body) != 8 + 6 * k:
+        raise CodecError(f"sparse delta of {len(body)} bytes does not hold the {k} changes it announces")
+    gaps = np.frombuffer(body, np.uint8, count=4 * k, offset=8).reshape(4, k).T.copy().view(np.uint32).reshape(-1)
+    positions = np.cumsum(gaps, dtype=np.int64) - 1  # [k]
+    if k and (gaps.min() < 1 or positions[-1] >= raw_size // 2):
+        raise CodecError("sparse delta names a word outside the weights")
+    xors = np.frombuffer(_unplanes(body[8 + 4 * k :]), np.uint16)
+    out = np.frombuffer(base_raw, np.uint16).copy()
+    out[positions] ^= xors
+    return out.tobytes()
 
 
 def split_chunks(payload: bytes, chunk_size: int = DEFAULT_CHUNK) -> list[bytes]:

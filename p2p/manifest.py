@@ -15,7 +15,7 @@ import msgpack
 from p2p.codec import TensorEntry
 from p2p.identity import verify_signature
 
-CODECS = ("full-zstd", "xor-zstd")
+CODECS = ("full-zstd", "xor-zstd", "sparse-zstd")
 
 
 class ManifestError(ValueError):
@@ -95,7 +95,7 @@ class Manifest:
             raise ManifestError(f"malformed manifest: {type(exc).__name__}: {exc}") from None
         if manifest.codec not in CODECS:
             raise ManifestError(f"unknown codec {manifest.codec!r}")
-        if (manifest.codec == "xor-zstd") != (manifest.base_version is not None):
+        if (manifest.codec != "full-zstd") != (manifest.base_version is not None):
             raise ManifestError("a delta names its base version; a full snapshot has none")
         if manifest.adapter_base is not None and (
             manifest.codec != "full-zstd" or manifest.adapter_base >= manifest.version

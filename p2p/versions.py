@@ -7,7 +7,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from p2p.codec import DEFAULT_CHUNK, CodecError, decode, encode, layout, sha256, split_chunks, unlayout
+from p2p.codec import (
+    DEFAULT_CHUNK,
+    SPARSE_BELOW,
+    CodecError,
+    changed_words,
+    decode,
+    decode_sparse,
+    encode,
+    encode_sparse,
+    layout,
+    sha256,
+    split_chunks,
+    unlayout,
+)
 from p2p.manifest import Manifest
 from p2p.weights import to_float32
 
@@ -35,14 +48,22 @@ def build_version(
     Returns the (unsigned) version and the raw bytes, which the caller keeps as the next delta's base.
     """
     entries, raw = layout(tensors, dtypes)
-    payload = encode(raw, None if base is None else base[1])
+    codec = "full-zstd"
+    if base is not None:
+        changed = changed_words(raw, base[1]) if len(raw) == len(base[1]) and len(raw) % 2 == 0 else None
+        sparse = changed is not None and len(changed) < SPARSE_BELOW * len(raw) // 2
+        codec = "sparse-zstd" if sparse else "xor-zstd"
+    if codec == "sparse-zstd":
+        payload = encode_sparse(raw, base[1], changed)
+    else:
+        payload = encode(raw, None if base is None else base[1])
     chunks = split_chunks(payload, chunk_size)
     manifest = Manifest(
         run_id=run_id,
         version=version,
         base_version=None if base is None else base[0],
         base_sha256=None if base is None else sha256(base[1]),
-        codec="full-zstd" if base is None else "xor-zstd",
+        codec=codec,
         tensors=entries,
         chunks=[(sha256(c), len(c)) for c in chunks],
         raw_size=len(raw),
@@ -64,7 +85,11 @@ def rebuild_raw(manifest: Manifest, chunks: list[bytes], base_raw: bytes | None 
             raise CodecError(f"version {manifest.version} is a delta on version {manifest.base_version}: base needed")
         if sha256(base_raw) != manifest.base_sha256:
             raise CodecError(f"version {manifest.version} must be applied to a different base")
-    raw = decode(b"".join(chunks), manifest.raw_size, base_raw if manifest.base_version is not None else None)
+    payload = b"".join(chunks)
+    if manifest.codec == "sparse-zstd":
+        raw = decode_sparse(payload, manifest.raw_size, base_raw)
+    else:
+        raw = decode(payload, manifest.raw_size, base_raw if manifest.base_version is not None else None)
     if sha256(raw) != manifest.weights_sha256:
         raise CodecError(f"version {manifest.version} rebuilt to the wrong weights (hash mismatch)")
     return raw

@@ -181,6 +181,32 @@ def test_codec_round_trip_and_delta_size():
         rebuild_raw(delta.manifest, tampered, raw0)
 
 
+@pytest.mark.parametrize("share", [0.0, 0.001, 0.02, 0.2])
+def test_sparse_and_dense_deltas_rebuild_the_same_weights(share):
+    """Few changed words: a sparse delta (indices and XORs), smaller than the dense XOR; many: the dense
+    XOR. Either rebuilds the weights bit for bit; a sparse payload that lies is refused."""
+    from p2p.codec import decode_sparse, encode, encode_sparse
+
+    rng = np.random.default_rng(1)
+    t0 = {"w": rng.integers(0, 2**16, 300_000, dtype=np.uint16), "norm": rng.normal(size=5).astype(np.float32)}
+    t1 = {"w": t0["w"].copy(), "norm": t0["norm"]}
+    changed = rng.choice(t1["w"].size, int(share * t1["w"].size), replace=False)
+    t1["w"][changed] ^= rng.integers(1, 2**16, changed.size, dtype=np.uint16)
+    _, raw0 = build_version("r", 0, t0, {"w": "f16"})
+    delta, raw1 = build_version("r", 1, t1, {"w": "f16"}, base=(0, raw0))
+    assert delta.manifest.codec == ("sparse-zstd" if share < 0.05 else "xor-zstd")
+    assert rebuild_raw(delta.manifest, delta.chunks, raw0) == raw1
+    if 0 < share < 0.05:
+        indices = np.flatnonzero(np.frombuffer(raw1, np.uint16) != np.frombuffer(raw0, np.uint16))
+        assert delta.manifest.payload_size < len(encode(raw1, raw0))  # smaller than the dense XOR
+        lying = encode_sparse(raw1, raw0, indices)[:-3]  # truncated: fewer changes than announced
+        with pytest.raises(CodecError):
+            decode_sparse(lying, len(raw0), raw0)
+        beyond = encode_sparse(raw1 + b"\0\0", raw0 + b"\0\1", np.append(indices, len(raw0) // 2))
+        with pytest.raises(CodecError, match="outside"):  # a change past the end of the weights
+            decode_sparse(beyond, len(raw0), raw0)
+
+
 def test_manifest_signed_by_another_key_is_rejected():
     learner, other = Ed25519PrivateKey.new(), Ed25519PrivateKey.new()
     from p2p.identity import peer_id_of
@@ -260,6 +286,10 @@ def test_peer_killed_mid_transfer_does_not_stop_the_others():
     try:
         seeder, info = spawn("seeder", "--size-mb", "8", "--up", "16")
         peers = [spawn("peer", "--learner", info["addr"], "--up", "16")[0] for _ in range(4)]
+        for p in peers:
+            p.stdin.write("connect\n")
+            p.stdin.flush()
+        assert all(json.loads(p.stdout.readline())["connected"] for p in peers)
         for p in peers:
             p.stdin.write("go\n")
             p.stdin.flush()

@@ -20,17 +20,24 @@ log = logging.getLogger(__name__)
 EXACT_TOPK_UP_TO = 1 << 20  # coordinates: an exact k-th largest below this, a sampled quantile above
 
 
-def top_share_threshold(values: np.ndarray, share: float, seed: int = 0) -> float:
-    """The value above which lies the `share` largest part of `values` (1-D): exact for small arrays; for
-    large ones the quantile of a 2^20 random sample, which keeps about `share` (within a few percent of
-    it) at O(n) instead of a sort of every weight matrix on the learner's CPU."""
+def top_share(values: np.ndarray, share: float, seed: int = 0) -> np.ndarray:
+    """A mask of the largest `share` of `values` (1-D, >= 0), zeros never taken. Exact for small arrays;
+    for large ones the cut is the quantile of a 2^20 random sample (O(n), not a sort of every weight
+    matrix on the learner's CPU), so about `share` is kept. Ties at the cut (16-bit changes come in whole
+    steps of the format, so many are equal) are broken at random, never all taken."""
     k = max(1, int(share * values.size))
     if k >= values.size:
-        return float(values.min())
+        return values > 0
+    rng = np.random.default_rng(seed)
     if values.size > EXACT_TOPK_UP_TO:
-        sample = values[np.random.default_rng(seed).integers(0, values.size, EXACT_TOPK_UP_TO)]
-        return float(np.quantile(sample, 1 - share))
-    return float(np.partition(values, values.size - k)[values.size - k])
+        cut = float(np.quantile(values[rng.integers(0, values.size, EXACT_TOPK_UP_TO)], 1 - share))
+    else:
+        cut = float(np.partition(values, values.size - k)[values.size - k])
+    take = values > cut
+    if cut > 0 and take.sum() < k:  # fill up to k with coordinates at the cut, chosen at random
+        ties = np.flatnonzero(values == cut)
+        take[rng.choice(ties, min(k - int(take.sum()), ties.size), replace=False)] = True
+    return take
 
 
 class Publisher:
@@ -109,8 +116,7 @@ class Publisher:
                 out[name] = new
                 continue
             change = np.abs(to_float32(new) - to_float32(old)).reshape(-1)  # 0 where the 16-bit value is the same
-            take = change >= top_share_threshold(change, self.topk)
-            take &= change > 0
+            take = top_share(change, self.topk)
             carried = old.copy()
             carried.reshape(-1)[take] = new.reshape(-1)[take]
             out[name] = carried
