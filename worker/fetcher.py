@@ -121,6 +121,10 @@ class VersionFetcher:
             except (CodecError, ManifestError) as exc:  # a bad version: start over from a full snapshot
                 log.warning("could not rebuild the policy (%s); fetching it again", exc)
                 self.held = None
+            except (OSError, RuntimeError) as exc:  # the engine could not stage it (disk full, a bad GGUF):
+                # the worker keeps generating with its version while the learner admits it; say so loudly
+                log.error("fetcher: could not stage v%d (%s); trying again in %.0fs", self.announced, exc, backoff)
+                backoff = min(backoff * 2, 30.0)
             finally:
                 self.fetching = -1
             self._wake.wait(backoff)
