@@ -2,6 +2,7 @@
 (through a TCP relay we cut) while its peers can still reach it."""
 
 import os
+import re
 import socket
 import threading
 
@@ -54,7 +55,9 @@ def test_a_peer_serving_corrupted_chunks_is_penalised_and_avoided(swarm):
         wait_for(lambda: steps_done(swarm) >= 8, 240, "8 steps", [("learner", learner), ("worker", worker)])
         log = swarm.log("w1")
         assert "failed its hash check; penalised" in log  # it tried the liar, threw the chunk away
-        assert log.count("now on v") >= 5  # and kept following versions from the learner
+        loaded = [int(v) for v in re.findall(r"now on v(\d+)", log)]
+        # and kept following versions from the learner (the newest each time: it may skip some in between)
+        assert len(loaded) >= 2 and max(loaded) >= 5, loaded
         print(f"\n{log.count('failed its hash check')} corrupted chunks detected and penalised, "
               f"{log.count('now on v')} versions loaded, {steps_done(swarm)} steps")  # fmt: skip
     finally:
