@@ -204,6 +204,9 @@ class SwarmConfig:
     """Autoscale: keep the active workers' fresh supply this fraction above the learner's demand."""
     worker_silence: float = 30.0
     """Seconds without a heartbeat after which a worker is dropped and its leases go to others."""
+    min_workers: int = 1
+    """Leases wait until this many workers hold a policy version, so that a run starts with its swarm rather
+    than with whichever worker joined first (checked once per start; workers that leave later do not stop it)."""
     prefetch_batches: int = 1
     """async: batches of prompt groups leased or buffered ahead of training (1: the next is made during this step)."""
     verify_first: int = 4
@@ -239,6 +242,7 @@ class SwarmConfig:
         require(self.prefetch_batches >= 1, "swarm.prefetch_batches", "must be >= 1")
         require(self.margin >= 0, "swarm.margin", f"must be >= 0, got {self.margin}")
         require(self.worker_silence > 0, "swarm.worker_silence", "must be > 0")
+        require(self.min_workers >= 1, "swarm.min_workers", f"must be >= 1, got {self.min_workers}")
         require(self.read_timeout > 0, "swarm.read_timeout", f"must be > 0, got {self.read_timeout}")
         require(self.upload_bps >= 0, "swarm.upload_bps", f"must be >= 0 (0: no cap), got {self.upload_bps}")
         require(self.verify_first >= 0, "swarm.verify_first", f"must be >= 0, got {self.verify_first}")

@@ -49,6 +49,11 @@ DEAD_FOR = 5.0  # seconds a peer that failed a request is skipped
 HAVE_REFRESH = 0.3  # seconds between have-map exchanges with each peer
 MAX_PEERS = 4096  # peers the learner's registry holds (peers are forgotten when they go silent)
 OWNER_GRACE = 2.0  # seconds a peer has to show it fetches a version before others take its learner share
+OWNER_SAID_NO = 2  # have-map answers "not fetching it" after which a peer's learner share is taken in its grace
+
+
+class VersionDropped(RemoteError):
+    """The learner no longer holds the version being fetched (a newer one is out): fetch the newest instead."""
 
 
 def bitmap(indices: set[int], n: int) -> bytes:
@@ -71,6 +76,7 @@ class ChunkServer:
         self.host = host
         self.store = store
         self.peer_have: dict[str, dict[int, set[int]]] = defaultdict(dict)  # peer -> version -> chunks
+        self.peer_said_no: dict[str, dict[int, int]] = defaultdict(dict)  # peer -> version -> "not fetching it"s
         self.chunks_served = 0
         host.handle(MANIFEST, self._on_manifest)
         # upload_slots: answer only this many chunk requests at once (None: all, sharing the uplink)
@@ -80,6 +86,7 @@ class ChunkServer:
     def forget(self, peer: str) -> None:
         """Drop what we know about a peer that left (its have-maps)."""
         self.peer_have.pop(peer, None)
+        self.peer_said_no.pop(peer, None)
 
     def _on_manifest(self, peer: str, msg: dict) -> dict:
         versions = self.store.manifests
@@ -128,6 +135,7 @@ class ChunkServer:
         if isinstance(msg.get("have"), bytes):
             maps = self.peer_have[peer]
             maps[version] = from_bitmap(msg["have"], n)
+            self.peer_said_no[peer].pop(version, None)
             for old in [v for v in maps if v not in self.store.manifests]:  # versions dropped since
                 del maps[old]
         return {"have": bitmap(self.store.held(version), n)}
@@ -289,8 +297,13 @@ class BroadcastPeer(ChunkServer):
         left to it: itself, or alive and (still in the grace period, or known to be on this version)."""
         if peer == self.host.peer_id:
             return True
+        if version in self.peer_have.get(peer, {}):
+            return self._alive(peer)
+        # a peer that has not shown the version yet gets a grace period, unless it said twice (HAVE_REFRESH
+        # apart) that it does not fetch it: one that skipped this version must not hold our fetch up
         in_grace = time.monotonic() - self._fetch_started < OWNER_GRACE
-        return self._alive(peer) and (in_grace or version in self.peer_have.get(peer, {}))
+        said_no = self.peer_said_no.get(peer, {}).get(version, 0) >= OWNER_SAID_NO
+        return self._alive(peer) and in_grace and not said_no
 
     def _alive(self, peer: str) -> bool:
         return self.dead_until.get(peer, 0.0) < time.monotonic() and self.penalties[peer] < PENALTY_LIMIT
@@ -335,8 +348,10 @@ class BroadcastPeer(ChunkServer):
                 ):
                     raise PeerUnavailable(f"version {version}: the learner is unreachable and no peer can help")
                 if any(source == self.learner for _, source in failed):
-                    # the learner refused a chunk: it dropped this version (a newer full snapshot is out)
-                    raise RemoteError(f"version {version} is no longer held by the learner")
+                    # the learner refused a chunk: it dropped this version (a newer one is out). Drop it too,
+                    # so that peers stop counting on us for our share of it
+                    self.store.drop(version)
+                    raise VersionDropped(f"version {version} is no longer held by the learner")
                 if (have_future is None or have_future.done()) and time.monotonic() - last_have > HAVE_REFRESH:
                     last_have = time.monotonic()
                     have_future = pool.submit(self._exchange_have_maps, manifest, held)
@@ -430,10 +445,15 @@ class BroadcastPeer(ChunkServer):
                 continue
             try:
                 reply = self.host.request(peer, HAVE, ask, timeout=5)
+                said_no = self.peer_said_no[peer]
                 if isinstance(reply.get("have"), bytes):
                     self.peer_have[peer][version] = from_bitmap(reply["have"], n)
-                else:  # the peer is not fetching this version (it moved on, or has not seen it)
+                    said_no.pop(version, None)
+                else:  # the peer is not fetching this version (it moved on, or has not seen it yet)
                     self.peer_have[peer].pop(version, None)
+                    said_no[version] = said_no.get(version, 0) + 1
+                for old in [v for v in said_no if v not in self.store.manifests]:
+                    del said_no[old]
             except (PeerUnavailable, RemoteError, BadRequest):
                 self.dead_until[peer] = time.monotonic() + DEAD_FOR
         if time.monotonic() - self._last_join > 2.0:  # learn about peers that joined after us

@@ -31,6 +31,7 @@ def test_toml_then_cli_overrides(tmp_path):
         ("", {"temperature": "0"}, "sampler.temperature: must be > 0"),
         ("", {"wire_topk": "0"}, "swarm.wire_topk: must be in (0, 1]"),
         ("[swarm]\nwire_topk = 1.5\n", {}, "swarm.wire_topk: must be in (0, 1]"),
+        ("", {"min_workers": "0"}, "swarm.min_workers: must be >= 1"),
         ("[grpo\n", {}, "is not valid TOML"),
     ],
 )

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from libp2p.crypto.ed25519 import Ed25519PrivateKey
 
-from p2p.broadcast import CHUNK, BroadcastPeer, ChunkServer, ChunkStore, Seeder
+import p2p.broadcast
+from p2p.broadcast import CHUNK, BroadcastPeer, ChunkServer, ChunkStore, Seeder, VersionDropped
 from p2p.codec import CodecError, bf16_bits, bf16_to_f32
 from p2p.host import (
     BadRequest,
@@ -243,6 +244,36 @@ def test_three_peers_fetch_by_peer_assisted_broadcast(hosts):
     [t.join(90) for t in threads]
     assert len(results) == 3 and all(r == raw for r in results.values())
     assert sum(p.stats["from_peers"] for p in peers) > 0  # peers really served each other
+
+
+def test_a_peer_that_skips_a_version_does_not_hold_up_the_others(hosts, monkeypatch):
+    """A pipelined worker fetches the newest version and may skip the one a peer fetches: once it has said
+    so (twice), the peer takes its share of the chunks from the learner instead of waiting on it."""
+    monkeypatch.setattr(p2p.broadcast, "OWNER_GRACE", 1e6)  # without the answers the fetch would wait forever
+    learner = hosts()
+    pv, raw = random_version(learner.key, learner.peer_id, mb=4)
+    Seeder(learner, ChunkStore()).publish(pv)
+    fetching, skipping = (BroadcastPeer(hosts(), ChunkStore(), learner.addrs[0]) for _ in range(2))
+    for p in (skipping, fetching):
+        p.join()
+    assert skipping.host.peer_id in fetching.peers
+    m = fetching.fetch_manifest()
+    assert rebuild_raw(m, fetching.fetch(m, timeout=60)) == raw
+    assert fetching.stats["from_learner"] == len(m.chunks)  # all of it, the skipping peer's share too
+
+
+def test_a_version_the_learner_dropped_is_dropped_by_the_fetching_peer(hosts):
+    learner = hosts()
+    pv, _ = random_version(learner.key, learner.peer_id, mb=2)
+    seeder_store = ChunkStore()
+    Seeder(learner, seeder_store).publish(pv)
+    peer = BroadcastPeer(hosts(), ChunkStore(), learner.addrs[0])
+    peer.join()
+    m = peer.fetch_manifest()
+    seeder_store.drop(m.version)  # a newer version is out
+    with pytest.raises(VersionDropped):
+        peer.fetch(m, timeout=30)
+    assert m.version not in peer.store.manifests  # so peers stop counting on our share of it
 
 
 class TamperingServer(ChunkServer):

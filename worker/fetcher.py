@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from p2p.broadcast import BroadcastPeer
+from p2p.broadcast import BroadcastPeer, VersionDropped
 from p2p.codec import CodecError
 from p2p.host import PeerUnavailable, RemoteError, Unauthorized
 from p2p.manifest import Manifest, ManifestError
@@ -113,6 +113,10 @@ class VersionFetcher:
                 if self._staged is None and self.announced >= 0 and self.announced != self._running():
                     self._fetch_and_stage()
                 backoff = self.poll_s
+            except VersionDropped as exc:  # the learner moved on while we fetched: go for the newest at once
+                log.debug("fetcher: %s; fetching the newest", exc)
+                backoff = self.poll_s
+                self._wake.set()
             except (PeerUnavailable, Unauthorized, RemoteError, MessageError, TimeoutError) as exc:
                 if self._stop.is_set():
                     return

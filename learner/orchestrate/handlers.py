@@ -102,6 +102,7 @@ class LearnerService:
             self.scheduler, self._sched_lock,
         )  # fmt: skip
         self.workers: dict[str, WorkerRecord] = {}
+        self.gathered = cfg.swarm.min_workers <= 1  # swarm.min_workers hold a version: leases may start
         self._bcast_seen = -1  # newest version whose broadcast time the scheduler has seen
         self._lock = threading.Lock()
         self.last_step: dict[str, Any] = {}  # the newest step's metrics (step_recorded)
@@ -216,6 +217,8 @@ class LearnerService:
         with self._lock:
             worker.version = max(worker.version, request.version)
         versions, now = self.versions, time.monotonic()
+        if not self._gather():
+            return LeaseReply(wait=0.5, newest=versions.published).to_wire()
         batch_groups, buffered, leased = self.groups_per_batch(), len(self.buffer), self.leases.outstanding_groups()
         with self._sched_lock:
             admitted = self.admission.admit(
@@ -238,6 +241,17 @@ class LearnerService:
             deadline_s=admitted.timeout_s,
         )
         return LeaseReply(grant).to_wire()
+
+    def _gather(self) -> bool:
+        """Whether swarm.min_workers workers hold a version (once they have, for the rest of this start)."""
+        if self.gathered:
+            return True
+        with self._lock:
+            ready = sum(w.version >= 0 for w in self.workers.values())
+        if ready >= self.cfg.swarm.min_workers:
+            self.gathered = True
+            log.info("%d workers hold a policy version: leasing prompts", ready)
+        return self.gathered
 
     def _on_rollout(self, peer: str, msg: dict) -> dict:
         return self.intake.submit(self._worker(peer), msg).to_wire()
