@@ -142,6 +142,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
             # 1. wait for a batch: P groups generated within the staleness bound (with dynamic sampling:
             #    P groups with signal, plus the groups set aside without it, which count in the metrics)
             stale: list[int] = []
+            service.waiting_for_batch()
             with phases("wait"):
                 if step in replay:  # journaled before the learner stopped: the same groups again
                     batch, set_aside = (
@@ -192,6 +193,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                     "completed": counters.completed,
                     "expired": counters.expired,
                     "refused": dict(counters.refused),
+                    "declined": dict(service.declined),
                 },
                 "workers": service.worker_table(),
                 "decisions": [{"worker": d.worker[-8:], "active": d.active, "reason": d.reason} for d in decisions],

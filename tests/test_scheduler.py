@@ -148,8 +148,7 @@ def test_deadlines_and_lease_sizes_follow_each_worker():
 
 def test_lease_admission_follows_the_window_rule():
     """A lease that fills the next batch is measured by v - x <= S alone; one for a later batch must also
-    come back in time, a + L <= S T (a: the version's age); an overlapping worker is never told to wait
-    for a version still being encoded (that would cost it the broadcast time of every version)."""
+    come back in time, a + L <= S T (a: the version's age)."""
     from learner.plan.admission import LeaseAdmission
 
     s = make()  # S = 2
@@ -170,3 +169,33 @@ def test_lease_admission_follows_the_window_rule():
     assert admit(held=3, age_s=13.0, buffered=2, leased=1).groups == 1  # it fills the next batch: v - x decides
     pull = LeaseAdmission(s, "pull", staleness=0, prefetch_batches=1, autoscale=False)
     assert pull.admit("w", 4, 1, 0.0, version=5, age_s=0, batch_groups=4, buffered=0, leased=0).refused == "behind"
+
+
+def test_a_worker_waits_for_the_newer_version_only_when_the_learner_loses_nothing():
+    """Holding x while x + 1 reaches the swarm: the lease goes out with x if the learner is short of time,
+    and is declined ("newer") if the worker can fetch x + 1 and still return its share of the batch before
+    the step under way ends: (1 + margin)(max(0, B - a) + k L) <= T_quick - s."""
+    from learner.plan.admission import LeaseAdmission
+
+    s = make()  # S = 2, margin 0.1
+    for w in ("a", "b"):
+        s.seen(w, 0.0)
+    admission = LeaseAdmission(s, "async", staleness=2, prefetch_batches=1, autoscale=False)
+
+    def admit(newer_age_s, step_age_s, buffered=0):
+        return admission.admit("a", 4, 1, 100.0, version=5, age_s=1.0, batch_groups=4, buffered=buffered,
+                               leased=0, newer_age_s=newer_age_s, step_age_s=step_age_s)  # fmt: skip
+
+    assert admit(0.0, 0.0).groups == 1  # nothing measured: no evidence to make it wait
+    feed(s, "a", 100.0, lease_s=2.0)
+    steps(s, 1, 3)  # T = 10 s, B = 2 s
+    # 2 workers, 4 groups to lease: k = 2 leases each; 1.1 * (2 + 2 * 2) = 6.6 <= 10 - s
+    assert admit(0.0, 0.0).refused == "newer"
+    assert admit(0.0, 3.0).refused == "newer"
+    assert admit(0.0, 4.0).groups == 1  # 6.6 > 6: the learner would wait for it
+    assert admit(1.5, 4.0).refused == "newer"  # x + 1 is almost there: 1.1 * (0.5 + 4) <= 6
+    assert admit(0.0, 5.5, buffered=2).refused == "newer"  # k = 1: 1.1 * (2 + 2) <= 4.5
+    assert admit(0.0, None).groups == 1  # the learner waits for a batch now: every lease counts
+    assert admit(None, 0.0).groups == 1  # it holds the newest version
+    s.step_done(4, 5.0, 5.0, trained=True)  # one quick step: T_quick = 5
+    assert admit(0.0, 0.0).groups == 1  # 6.6 > 5

@@ -103,6 +103,8 @@ class LearnerService:
         )  # fmt: skip
         self.workers: dict[str, WorkerRecord] = {}
         self.gathered = cfg.swarm.min_workers <= 1  # swarm.min_workers hold a version: leases may start
+        self.declined: dict[str, int] = {}  # lease requests not granted, by admission's reason
+        self.step_started: float | None = None  # when the step under way began (None: waiting for a batch)
         self._bcast_seen = -1  # newest version whose broadcast time the scheduler has seen
         self._lock = threading.Lock()
         self.last_step: dict[str, Any] = {}  # the newest step's metrics (step_recorded)
@@ -116,8 +118,16 @@ class LearnerService:
     # -- moved on by the training loop ---------------------------------------------------------------
 
     def advance(self, version: int) -> None:
-        """The learner now holds `version`: leases from now on are measured against it."""
+        """The learner now holds `version` and starts the step that makes it: leases from now on are
+        measured against it."""
         self.versions.trained = version
+        self.step_started = time.monotonic()
+
+    def waiting_for_batch(self) -> None:
+        """The step is done (its version is made) and the learner waits for rollouts: no step under way to
+        time leases against."""
+        self.step_started = None
+        self.versions.mark_made(self.versions.trained)
 
     def mark_published(self, version: int, payload_bytes: int) -> None:
         self.versions.mark_published(version, payload_bytes)
@@ -218,16 +228,21 @@ class LearnerService:
             worker.version = max(worker.version, request.version)
         versions, now = self.versions, time.monotonic()
         if not self._gather():
+            self._decline("gathering")
             return LeaseReply(wait=0.5, newest=versions.published).to_wire()
         batch_groups, buffered, leased = self.groups_per_batch(), len(self.buffer), self.leases.outstanding_groups()
+        made, started = versions.newest_made(), self.step_started
         with self._sched_lock:
             admitted = self.admission.admit(
                 peer, request.version, request.max_groups, now, version=versions.trained,
                 age_s=now - versions.published_at.get(request.version, now),
                 batch_groups=batch_groups, buffered=buffered, leased=leased,
+                newer_age_s=now - made[1] if made is not None and made[0] > request.version else None,
+                step_age_s=None if started is None else now - started,
             )  # fmt: skip
         if not admitted.groups:
-            # behind/stale/late: generate with a newer version (the worker is fetching it); full: wait a moment
+            self._decline(admitted.refused)
+            # behind/stale/late/newer: generate with a newer version (the worker is fetching it); full: wait
             inactive = admitted.refused == "inactive"  # it keeps polling, so it fetches and relays versions
             return LeaseReply(wait=0.5 if inactive else 0.2, newest=versions.published, inactive=inactive).to_wire()
         lease = self.leases.issue(peer, admitted.groups, min_version=request.version, timeout_s=admitted.timeout_s)
@@ -241,6 +256,10 @@ class LearnerService:
             deadline_s=admitted.timeout_s,
         )
         return LeaseReply(grant).to_wire()
+
+    def _decline(self, reason: str) -> None:
+        with self._lock:
+            self.declined[reason] = self.declined.get(reason, 0) + 1
 
     def _gather(self) -> bool:
         """Whether swarm.min_workers workers hold a version (once they have, for the rest of this start)."""

@@ -20,6 +20,7 @@ class PolicyVersions:
     trained: int = 0
     published: int = -1
     published_at: dict[int, float] = field(default_factory=dict)  # version -> monotonic time it was published
+    made_at: dict[int, float] = field(default_factory=dict)  # version -> when its step ended (before encoding)
     payload_bytes: dict[int, int] = field(default_factory=dict)  # version -> bytes on the wire
     bcast_seconds: dict[int, float] = field(default_factory=dict)  # version -> seconds until a worker held it
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -29,15 +30,27 @@ class PolicyVersions:
             self.payload_bytes[version] = payload_bytes
             self.published = version
             self.published_at[version] = time.monotonic()
-            for per_version in (self.payload_bytes, self.published_at, self.bcast_seconds):
+            for per_version in (self.payload_bytes, self.published_at, self.made_at, self.bcast_seconds):
                 for old in [v for v in per_version if v < version - 100]:  # bounded over long runs
                     del per_version[old]
 
-    def first_held(self, version: int) -> None:
-        """A worker reports holding `version`: the first report ends its broadcast time."""
+    def mark_made(self, version: int) -> None:
+        """The step that makes `version` ended: its broadcast time B starts (encoding is part of it)."""
         with self._lock:
-            if version in self.published_at:
-                self.bcast_seconds.setdefault(version, time.monotonic() - self.published_at[version])
+            self.made_at.setdefault(version, time.monotonic())
+
+    def newest_made(self) -> tuple[int, float] | None:
+        """(version, when it was made) of the newest version a step has made, None before any."""
+        with self._lock:
+            return max(self.made_at.items(), default=None)
+
+    def first_held(self, version: int) -> None:
+        """A worker reports holding `version`: the first report ends its broadcast time B (from the end of
+        the step that made it, as docs/capacity-model.md defines B; from publication if that is unknown)."""
+        with self._lock:
+            start = self.made_at.get(version, self.published_at.get(version))
+            if start is not None:
+                self.bcast_seconds.setdefault(version, time.monotonic() - start)
 
     def check_published(self, version: int) -> None:
         """A version a worker states must have been published before it is stored (status shows it).

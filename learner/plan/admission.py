@@ -7,6 +7,7 @@ It lives with the scheduler, whose estimates it reads, and imports no torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,7 +28,7 @@ class Admission:
     groups: int = 0
     timeout_s: float = 0.0  # seconds the worker has to return the lease
     expires_at: float = 0.0  # now + timeout_s
-    refused: Literal["", "behind", "stale", "late", "inactive", "full"] = ""
+    refused: Literal["", "behind", "stale", "late", "newer", "inactive", "full"] = ""
 
 
 class LeaseAdmission:
@@ -47,14 +48,23 @@ class LeaseAdmission:
         timeout = the scheduler's deadline for this worker; the lease expires at now + timeout
 
     A worker that fetches versions while it generates asks with the version its engine will run the
-    lease with, so x is the version the lease starts with; it is never told to wait for a newer one
-    while x is still good (waiting would cost it the broadcast time B of every version).
+    lease with, so x is the version the lease starts with. It is told to wait for the newest published
+    version n > x ("newer") only when waiting costs the learner nothing: with the step under way begun s
+    seconds ago, n made (its step ended) a_n seconds ago, B the broadcast time and k = ceil(room /
+    (active workers * lease size)) the leases each worker still has to return for the next batch,
+
+        (1 + margin) (max(0, B - a_n) + k L) <= T_quick - s     (Scheduler.worth_waiting; T_quick: the
+                                                                 quickest recent step)
+
+    Otherwise (the learner is short of rollouts, or anything is unmeasured) x is good while within S:
+    making every worker wait would cost it B of every version.
     """
 
     def __init__(
         self, scheduler: Scheduler, mode: Literal["async", "pull"], staleness: int, prefetch_batches: int,
-        autoscale: bool,
+        autoscale: bool, wait_for_newer: bool = True,
     ) -> None:  # fmt: skip
+        self.wait_for_newer = wait_for_newer  # False: never decline "newer" (for comparison in the simulator)
         self.scheduler = scheduler
         self.mode = mode
         self.staleness = staleness
@@ -64,7 +74,10 @@ class LeaseAdmission:
     def admit(
         self, worker: str, held: int, asked: int, now: float, *,
         version: int, age_s: float, batch_groups: int, buffered: int, leased: int,
+        newer_age_s: float | None = None, step_age_s: float | None = None,
     ) -> Admission:  # fmt: skip
+        """newer_age_s: seconds since the newest published version came out, None if the worker holds it;
+        step_age_s: seconds since the learner's step under way began, None while it waits for a batch."""
         if self.mode == "pull":
             if held != version:
                 return Admission(refused="behind")
@@ -76,6 +89,11 @@ class LeaseAdmission:
                 return Admission(refused="inactive")
             if buffered + leased >= batch_groups and not self.scheduler.returns_in_time(worker, age_s):
                 return Admission(refused="late")
+            if self.wait_for_newer and newer_age_s is not None and step_age_s is not None:
+                groups_each = max(1, self.scheduler.active_workers()) * self.scheduler.lease_groups(worker)
+                leases = math.ceil(max(1, batch_groups - buffered - leased) / groups_each)
+                if self.scheduler.worth_waiting(worker, newer_age_s, step_age_s, leases):
+                    return Admission(refused="newer")
             room = self.prefetch_batches * batch_groups - buffered - leased
         groups = min(asked, self.scheduler.lease_groups(worker), room)
         if groups <= 0:

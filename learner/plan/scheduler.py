@@ -72,6 +72,11 @@ class MovingMedian:
         return statistics.median(self.samples) if self.samples else None
 
     @property
+    def low(self) -> float | None:
+        """The smallest of the last `window` samples: for decisions that must hold on a quick step too."""
+        return min(self.samples) if self.samples else None
+
+    @property
     def warm(self) -> bool:
         return self.count >= self.warmup
 
@@ -294,6 +299,26 @@ class Scheduler:
         if state is None or not state.lease_s.warm or not self.train_s.warm or figs is None or figs.staleness < 1:
             return True
         return age_s + state.lease_s.value <= figs.staleness * figs.period
+
+    def worth_waiting(self, worker: str, newer_age_s: float, step_age_s: float, leases: int) -> bool:
+        """Whether this worker, holding an older version while a newer one published newer_age_s ago reaches
+        the swarm (held about B after publication), could wait for the newer one and still return `leases`
+        leases before the learner needs the next batch (the step under way began step_age_s ago):
+
+            (1 + margin) (max(0, B - newer_age) + leases * L_i) <= T_quick - step_age
+
+        with T_quick the quickest of the recent steps' train times and B, L_i their medians. Then waiting
+        costs the learner nothing and makes the rollouts a version fresher (T_quick and the margin cover
+        the spread of step and lease times). False until L_i, T_train and B are measured (no evidence to
+        make a worker wait on)."""
+        state = self.workers.get(worker)
+        if state is None or not state.lease_s.warm or not self.train_s.warm or not self.bcast_s.warm:
+            return False
+        wait_s = max(0.0, self.bcast_s.value - newer_age_s)
+        return (1 + self.cfg.margin) * (wait_s + leases * state.lease_s.value) <= self.train_s.low - step_age_s
+
+    def active_workers(self) -> int:
+        return sum(s.active for s in self.workers.values())
 
     def lease_deadline(self, worker: str) -> float:
         """Seconds this worker gets for a lease: three times its usual lease time, within bounds."""

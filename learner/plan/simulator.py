@@ -54,6 +54,7 @@ class LearnerProfile:
     uplink_mbps: float = 1000.0
     margin: float = 0.1
     expected_step_s: float = 30.0  # the user's guess of T_train: workers are planned on it until T is measured
+    wait_for_newer: bool = True  # admission's "newer" rule (false: leases always go out with the version held)
 
 
 @dataclass
@@ -135,7 +136,9 @@ class Simulation:
                 expected_step_s=learner.expected_step_s,
             )
         )
-        self.admission = LeaseAdmission(self.scheduler, "async", learner.staleness, learner.prefetch_batches, autoscale)
+        self.admission = LeaseAdmission(
+            self.scheduler, "async", learner.staleness, learner.prefetch_batches, autoscale, learner.wait_for_newer
+        )
         total = sum(c.share for c in classes)
         counts = [round(n_workers * c.share / total) for c in classes]
         counts[-1] = n_workers - sum(counts[:-1])
@@ -164,6 +167,8 @@ class Simulation:
         self.bcast: list[float] = []
         self.active_samples: list[int] = []
         self.last_step_end = 0.0
+        self.step_started = 0.0  # when the step under way began (read while training)
+        self.made_at = {0: 0.0}  # version -> when the step that made it ended
         self.idle: list[str] = []  # workers asking for a lease (may hold stale entries: checked on use)
         self.out: list[tuple[float, int]] = []  # (time it leaves the learner, version), in order
         self.newest_out = -1
@@ -205,7 +210,7 @@ class Simulation:
             return
         batch, self.buffer = self.buffer[:p], self.buffer[p:]
         self.staleness.update(self.version - x for x, _ in batch)
-        self.training = True
+        self.training, self.step_started = True, self.now
         seconds = self.p.train_step_s * self.rng.uniform(1 - self.p.train_jitter, 1 + self.p.train_jitter)
         self.at(self.now + seconds, "trained", seconds)
         self._dispatch()
@@ -215,6 +220,7 @@ class Simulation:
         self.train_seconds += seconds
         self.step += 1
         self.version += 1
+        self.made_at[self.version] = self.now
         period = self.now - self.last_step_end
         self.last_step_end = self.now
         self._bill()
@@ -255,6 +261,8 @@ class Simulation:
         return self.admission.admit(
             w.name, w.held, self.p.groups_per_lease, self.now, version=self.version, age_s=age_s,
             batch_groups=self.p.prompts_per_step, buffered=len(self.buffer), leased=self.outstanding,
+            newer_age_s=self.now - self.made_at[self.version] if self.version > w.held else None,
+            step_age_s=self.now - self.step_started if self.training else None,
         )  # fmt: skip
 
     def _dispatch(self) -> None:
