@@ -235,8 +235,10 @@ class BroadcastPeer(ChunkServer):
         timeout: float = 600.0,
         stop: threading.Event | None = None,
         version: int | None = None,
+        held_sha256: str | None = None,
     ) -> tuple[Manifest, bytes] | None:
         """Bring `held` = (version, raw weights) up to the learner's newest weights version (or `version`).
+        `held_sha256`: the hash of held's raw weights if known (checked when they were rebuilt).
 
         Returns (manifest, raw) of that version, or None if `held` is already it. Fetches the newest
         full snapshot first when `held` is not a base the deltas can start from, then each delta in
@@ -262,8 +264,10 @@ class BroadcastPeer(ChunkServer):
         with ThreadPoolExecutor(max_workers=min(len(chain), 4), thread_name_prefix="chain") as pool:
             fetched = list(pool.map(lambda m: self.fetch(m, timeout=timeout, stop=stop), chain))
         raw = held[1] if held is not None and chain[0].base_version is not None else None
+        known = held_sha256 if raw is not None else None  # of raw; each rebuild checks its result's hash
         for manifest, chunks in zip(chain, fetched, strict=True):
-            raw = rebuild_raw(manifest, chunks, raw)
+            raw = rebuild_raw(manifest, chunks, raw, known if manifest.base_version is not None else None)
+            known = manifest.weights_sha256
         self._drop_before_newest_snapshot(newest.version)
         return newest, raw
 

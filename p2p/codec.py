@@ -159,7 +159,7 @@ def encode_sparse(raw: bytes, base_raw: bytes, changed: np.ndarray) -> bytes:
     return zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1).compress(body)
 
 
-def decode_sparse(payload: bytes, raw_size: int, base_raw: bytes) -> bytes:
+def decode_sparse(payload: bytes, raw_size: int, base_raw: bytes) -> bytearray:
     """Inverse of `encode_sparse` on `base_raw`; raises CodecError on corrupt input."""
     if len(base_raw) != raw_size or raw_size % 2:
         raise CodecError(f"a sparse delta of {raw_size} bytes needs a base of that size (got {len(base_raw)})")
@@ -175,9 +175,9 @@ def decode_sparse(payload: bytes, raw_size: int, base_raw: bytes) -> bytes:
     if k and (gaps.min() < 1 or positions[-1] >= raw_size // 2):
         raise CodecError("sparse delta names a word outside the weights")
     xors = np.frombuffer(_unplanes(body[8 + 4 * k :]), np.uint16)
-    out = np.frombuffer(base_raw, np.uint16).copy()
-    out[positions] ^= xors
-    return out.tobytes()
+    out = bytearray(base_raw)  # the one copy of the weights (a bytearray: no second copy into bytes)
+    np.frombuffer(out, np.uint16)[positions] ^= xors
+    return out
 
 
 def split_chunks(payload: bytes, chunk_size: int = DEFAULT_CHUNK) -> list[bytes]:

@@ -73,8 +73,13 @@ def build_version(
     return PolicyVersion(manifest, chunks), raw
 
 
-def rebuild_raw(manifest: Manifest, chunks: list[bytes], base_raw: bytes | None = None) -> bytes:
-    """Check every chunk and the result against the manifest; return the raw weights bytes."""
+def rebuild_raw(
+    manifest: Manifest, chunks: list[bytes], base_raw: bytes | None = None, base_sha256: str | None = None
+) -> bytes:
+    """Check every chunk and the result against the manifest; return the raw weights bytes.
+
+    base_sha256: the hash of base_raw when the caller knows it (it rebuilt base_raw against a manifest
+    and has not changed it since), which saves hashing the whole base again."""
     if len(chunks) != len(manifest.chunks):
         raise CodecError(f"have {len(chunks)} chunks, manifest lists {len(manifest.chunks)}")
     for i, (chunk, (digest, size)) in enumerate(zip(chunks, manifest.chunks, strict=True)):
@@ -83,7 +88,7 @@ def rebuild_raw(manifest: Manifest, chunks: list[bytes], base_raw: bytes | None 
     if manifest.base_version is not None:
         if base_raw is None:
             raise CodecError(f"version {manifest.version} is a delta on version {manifest.base_version}: base needed")
-        if sha256(base_raw) != manifest.base_sha256:
+        if (base_sha256 if base_sha256 is not None else sha256(base_raw)) != manifest.base_sha256:
             raise CodecError(f"version {manifest.version} must be applied to a different base")
     payload = b"".join(chunks)
     if manifest.codec == "sparse-zstd":

@@ -176,6 +176,10 @@ def test_codec_round_trip_and_delta_size():
     assert rebuilt == raw1 and np.array_equal(tensors_of(delta.manifest, rebuilt)["w"], t1["w"])
     with pytest.raises(CodecError, match="base"):
         rebuild_raw(delta.manifest, delta.chunks, raw1)  # the wrong base
+    # a base whose hash the caller knows is not hashed again, and a wrong known hash is still refused
+    assert rebuild_raw(delta.manifest, delta.chunks, raw0, full.manifest.weights_sha256) == raw1
+    with pytest.raises(CodecError, match="base"):
+        rebuild_raw(delta.manifest, delta.chunks, raw1, delta.manifest.weights_sha256)
     tampered = list(delta.chunks)
     tampered[0] = bytes([tampered[0][0] ^ 1]) + tampered[0][1:]
     with pytest.raises(CodecError, match="hash"):

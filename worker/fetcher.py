@@ -147,7 +147,8 @@ class VersionFetcher:
         lora = self.peer.fetch_manifest() if self.spec.lora_rank else None
         base = None if lora is None else lora.version if lora.adapter_base is None else lora.adapter_base
         if base is None or self.held is None or self.held[0] != base:
-            result = self.peer.sync(self.held, stop=self._stop, version=base)
+            known = self._held_manifest.weights_sha256 if self.held is not None and self._held_manifest else None
+            result = self.peer.sync(self.held, stop=self._stop, version=base, held_sha256=known)
             if result is not None:
                 self._held_manifest, self.held = result[0], (result[0].version, result[1])
         if self.held is None:
