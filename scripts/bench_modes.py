@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--modes", default="colocated,pull,async")
     parser.add_argument("--seed", type=int, default=0, help="run seed: prompts, sampling")
     parser.add_argument("--extra", nargs="*", default=[], help="more learner flags, e.g. --extra=--objective=decoupled")
+    parser.add_argument("--worker-extra", nargs="*", default=[], help="more worker flags: --worker-extra=--no-overlap")
     parser.add_argument("--summarize-only", action="store_true", help="only summarize the runs already in --out")
     args = parser.parse_args()
     out = Path(args.out)
@@ -41,7 +42,8 @@ def main() -> None:
         if mode == "colocated":
             cmd = [PY, "-m", "echo_cli", "learner", "start", "--colocated", *common]
         else:
-            cmd = [PY, "scripts/local_swarm.py", "--workers", "2", "--worker-threads", "1", "--", *common]
+            cmd = [PY, "scripts/local_swarm.py", "--workers", "2", "--worker-threads", "1"]
+            cmd += [f"--worker-arg={a}" for a in args.worker_extra] + ["--", *common]
             cmd += ["--sync-mode", mode]
         if not args.summarize_only:
             print(f"== {mode}: {' '.join(cmd[1:])}", flush=True)

@@ -1,9 +1,10 @@
 """A worker's rollouts per second while new policy versions keep arriving, against no new versions.
 
-    .venv/bin/python scripts/bench_overlap.py [--period 15] [--seconds 90] [--rounds 2] [--json]
+    .venv/bin/python scripts/bench_overlap.py [--period 15] [--seconds 90] [--rounds 2] [--wire f16] [--topk 1] [--json]
 
 First `--versions` real GRPO steps (SmolLM2-135M on arithmetic, sampled by llama.cpp, the demo's
-learning rate) are trained and encoded as the learner publishes them (f16 XOR deltas, signed). Then
+learning rate) are trained and encoded as the learner's Publisher does (`--wire` f16 or bf16, `--topk`
+share of each matrix's changes; deltas, signed). Then
 the same worker pipeline runs in three modes, interleaved for `--rounds` rounds of `--seconds` each
 (side by side, so the machine's noise hits all three alike):
 
@@ -41,31 +42,28 @@ from grpo_steps import train  # scripts/grpo_steps.py
 from learner.orchestrate.publisher import Publisher
 from learner.tasks import make_task
 from learner.train.models import load_policy, model_spec
-from learner.train.wire_weights import wire_dtypes, wire_tensors
+from learner.train.wire_weights import wire_tensors
 from p2p.broadcast import BroadcastPeer, Seeder
 from p2p.chunk_store import ChunkStore
 from p2p.host import Host, HostConfig
 from p2p.messages import GenerationRequest, SamplingParams
-from p2p.versions import PolicyVersion, build_version
+from p2p.versions import PolicyVersion
 from worker.engines.llamacpp import LlamaCppEngine
 from worker.fetcher import VersionFetcher
 
 
-def encode_versions(model: str, n: int, lr: float) -> tuple[list[PolicyVersion], dict]:
-    """v0 (a full snapshot) and n deltas, each after one real GRPO step, signed as the learner signs them."""
+def encode_versions(model: str, n: int, lr: float, wire: str, topk: float) -> tuple[list[PolicyVersion], dict]:
+    """v0 (a full snapshot) and n deltas, each after one real GRPO step, encoded and signed as the
+    learner's Publisher does (`wire` 16-bit format, `topk` share of each matrix's changes)."""
     policy = load_policy(model, "~/.cache/echo-rl")
     engine = LlamaCppEngine(tempfile.mkdtemp(prefix="echo-overlap-"), threads=2, max_batch=32)
     engine.load_policy(model_spec(policy), wire_tensors(policy.model))
     signer = Host().start()
-    versions, previous = [], None
+    publisher = Publisher(seeder=None, run_id="bench", full_every=10**6, dtype=wire, topk=topk)
+    versions = []
 
     def publish(step: int) -> None:
-        nonlocal previous
-        tensors = Publisher(seeder=None, run_id="bench", full_every=1).snapshot(policy.model)
-        pv, raw = build_version("bench", step, tensors, wire_dtypes(tensors), base=previous)
-        pv.manifest = pv.manifest.signed(signer.key, signer.peer_id)
-        versions.append(pv)
-        previous = (step, raw)
+        versions.append(publisher.encode(step, publisher.carry(publisher.snapshot(policy.model)), signer))
 
     publish(0)
     train(policy, engine, n, lr, lora=False, on_step=publish)
@@ -159,12 +157,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads of the worker")
     parser.add_argument("--learner-up", type=float, default=None, help="learner upload cap, Mbit/s (none: loopback)")
-    parser.add_argument("--lr", type=float, default=5e-6, help="learning rate of the steps (the demo's)")
+    parser.add_argument("--lr", type=float, default=2e-5, help="learning rate of the steps (configs/demo.toml's)")
+    parser.add_argument("--wire", choices=("f16", "bf16"), default="f16", help="16-bit format of the versions")
+    parser.add_argument("--topk", type=float, default=1.0, help="share of each matrix's changes a delta sends")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_flush_denormal(True)
     n = int(args.seconds / args.period) + 1
-    versions, info = encode_versions(args.model, n, args.lr)
+    versions, info = encode_versions(args.model, n, args.lr, args.wire, args.topk)
     signer = info.pop("signer")
     policy = load_policy(args.model, "~/.cache/echo-rl")
     spec = model_spec(policy)
@@ -193,6 +193,9 @@ def main() -> None:
         "rounds": args.rounds,
         "threads": args.threads,
         "learner_up_mbit": args.learner_up,
+        "wire": args.wire,
+        "topk": args.topk,
+        "lr": args.lr,
         "rollouts_per_s": {m: round(r, 3) for m, r in rate.items()},
         "overlap_of_static": round(rate["overlap"] / rate["static"], 3),
         "sequential_of_static": round(rate["sequential"] / rate["static"], 3),

@@ -1,6 +1,6 @@
 """Bytes per policy version on the wire, side by side for every encoding, on the same real training run.
 
-    .venv/bin/python scripts/bench_wire.py [--steps 8] [--lr 5e-6] [--json]
+    .venv/bin/python scripts/bench_wire.py [--steps 8] [--lr 2e-5] [--json]
 
 SmolLM2-135M trains `--steps` GRPO steps on arithmetic (rollouts sampled by llama.cpp, the demo's
 learning rate). After every step each option publishes the new weights as the learner's Publisher does
@@ -25,8 +25,7 @@ from grpo_steps import train  # scripts/grpo_steps.py
 
 from learner.orchestrate.publisher import Publisher
 from learner.train.models import load_policy, model_spec
-from learner.train.wire_weights import wire_dtypes, wire_tensors
-from p2p.versions import build_version
+from learner.train.wire_weights import wire_tensors
 from p2p.weights import to_float32
 from worker.engines.llamacpp import LlamaCppEngine
 
@@ -39,7 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=5e-6)
+    parser.add_argument("--lr", type=float, default=2e-5, help="learning rate of the steps (configs/demo.toml's)")
     parser.add_argument("--topk", default="1,0.05,0.02,0.01,0.005", help="comma-separated topk shares")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -54,9 +53,7 @@ def main() -> None:
 
     def publish(step: int) -> None:
         for option, publisher in publishers.items():
-            tensors = publisher.carry(publisher.snapshot(policy.model))
-            pv, raw = build_version("bench", step, tensors, wire_dtypes(tensors), base=publisher.previous)
-            publisher.previous, publisher.published = (step, raw), publisher.published + 1  # as publish() does
+            pv = publisher.encode(step, publisher.carry(publisher.snapshot(policy.model)))
             if step > 0:
                 sizes[option].append(pv.manifest.payload_size)
         print(

@@ -38,6 +38,9 @@ def main() -> int:
     parser.add_argument("--worker-threads", type=int, default=1)
     parser.add_argument("--engine", default="llamacpp")
     parser.add_argument("--status-every", type=float, default=0, help="print `echo-rl status` every N seconds")
+    parser.add_argument(
+        "--worker-arg", action="append", default=[], help="one more `worker join` flag, e.g. --worker-arg=--no-overlap"
+    )
     parser.add_argument("learner_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     learner_args = [a for a in args.learner_args if a != "--"]
@@ -62,7 +65,7 @@ def main() -> int:
             log = open(run_dir / f"worker-{k}.log", "w")  # noqa: SIM115 - lives as long as the worker
             cmd = ECHO + ["worker", "join", "--learner", addr, "--threads", str(args.worker_threads)]
             cmd += ["--engine", args.engine, "--identity", str(run_dir / f"worker-{k}.key")]
-            cmd += ["--work-dir", str(run_dir / f"worker-{k}")]
+            cmd += ["--work-dir", str(run_dir / f"worker-{k}"), *args.worker_arg]
             workers.append(subprocess.Popen(cmd, stdout=log, stderr=log, env={**os.environ, "COLUMNS": "120"}))
         if args.status_every > 0:
             threading.Thread(target=show_status, args=(learner, run_dir, args.status_every), daemon=True).start()

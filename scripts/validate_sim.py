@@ -4,8 +4,9 @@
 
 The simulator's parameters are fitted on the run given by --fit (default: the checked run itself, which
 is in sample and flattering): from its RUN_DIR/config.json and metrics.jsonl, T_train (mean and spread of
-seconds.train), the bytes of each version, the broadcast time (bcast_s: publication until a worker held
-and loaded the version), and per worker its generation rate (the scheduler's estimate, or tokens/s
+seconds.train), the bytes of each version, the broadcast time (bcast_s: the end of the step that made
+the version until a worker held it, encoding included; runs before 2026-11-23 counted from publication),
+and per worker its generation rate (the scheduler's estimate, or tokens/s
 over mean completion length). The learner's own settings (batch, staleness, kappa) come from the
 checked run. The simulation runs as many steps as the checked run and prints measured and predicted
 learner utilisation and staleness side by side.
@@ -46,7 +47,8 @@ def main() -> None:
             or statistics.mean(r["workers"][name]["tokens_per_s"] for r in rows if name in r["workers"]) / completion
         )
         classes.append(WorkerClass(name=name, share=1.0, rollouts_per_s=rate, jitter=0.2, rtt_s=0.01,
-                                   uplink_mbps=1e5, downlink_mbps=1e5, load_s=statistics.mean(bcast)))  # fmt: skip
+                                   uplink_mbps=1e5, downlink_mbps=1e5,
+                                   load_s=max(0.0, statistics.mean(bcast) - args.encode_s)))  # fmt: skip
     learner = LearnerProfile(
         prompts_per_step=cfg["grpo"]["prompts_per_step"],
         group_size=g,

@@ -10,8 +10,9 @@ import torch
 from learner.train.wire_weights import wire_dtypes, wire_tensors
 from p2p.broadcast import Seeder
 from p2p.codec import DEFAULT_CHUNK
+from p2p.host import Host
 from p2p.manifest import Manifest
-from p2p.versions import build_version
+from p2p.versions import PolicyVersion, build_version
 from p2p.weights import to_float32
 
 log = logging.getLogger(__name__)
@@ -123,17 +124,27 @@ class Publisher:
         self.sent = out
         return out
 
+    def encode(self, version: int, tensors: dict[str, np.ndarray], signer: Host | None = None) -> PolicyVersion:
+        """Encode a snapshot as the next version (full or delta, as publish() would) and sign it with
+        `signer`'s key; the next delta builds on it. publish() also hands it to the seeder (benchmarks
+        call this alone)."""
+        adapter = self.lora and self.base is not None
+        pv, raw = build_version(
+            self.run_id, version, tensors, wire_dtypes(tensors),
+            base=None if self.next_is_full() or adapter else self.previous, chunk_size=self.chunk_size,
+            adapter_base=self.base if adapter else None,
+        )  # fmt: skip
+        if signer is not None:
+            pv.manifest = pv.manifest.signed(signer.key, signer.peer_id)
+        self.previous = (version, raw)
+        self.published += 1
+        return pv
+
     def publish(self, version: int, tensors: dict[str, np.ndarray]) -> Manifest:
         """Encode a snapshot as a full or delta version, sign it, hand it to the seeder, announce it."""
         adapter = self.lora and self.base is not None
         full = self.next_is_full()
-        pv, raw = build_version(
-            self.run_id, version, tensors, wire_dtypes(tensors),
-            base=None if full or adapter else self.previous, chunk_size=self.chunk_size,
-            adapter_base=self.base if adapter else None,
-        )  # fmt: skip
-        host = self.seeder.host
-        pv.manifest = pv.manifest.signed(host.key, host.peer_id)
+        pv = self.encode(version, tensors, self.seeder.host)
         self.seeder.publish(pv)
         store = self.seeder.store
         if full:  # keep the chain before this snapshot too: a worker mid-way through it can finish
@@ -145,8 +156,6 @@ class Publisher:
                 store.drop(old)
         elif self.lora:
             self.base = version
-        self.previous = (version, raw)
-        self.published += 1
         log.info(
             "published v%d (%s, %.1f MB on the wire, %.1f%% of the raw 16-bit tensors)", version,
             f"LoRA adapters for v{self.base}" if adapter else pv.manifest.codec,
