@@ -49,7 +49,11 @@ def main() -> None:
         classes.append(WorkerClass(name=name, share=1.0, rollouts_per_s=rate, jitter=0.2, rtt_s=0.01,
                                    uplink_mbps=1e5, downlink_mbps=1e5,
                                    load_s=max(0.0, statistics.mean(bcast) - args.encode_s)))  # fmt: skip
+    dynamic = cfg["grpo"].get("dynamic_sampling", False)  # the share of groups with signal, measured
+    signal = sum(r["groups"] - r["equal_reward_groups"] for r in rows) / sum(r["groups"] for r in rows)
     learner = LearnerProfile(
+        signal_share=signal if dynamic else 1.0,
+        sampling_rounds=cfg["grpo"].get("sampling_rounds", 4),
         prompts_per_step=cfg["grpo"]["prompts_per_step"],
         group_size=g,
         train_step_s=t_train,
@@ -68,6 +72,7 @@ def main() -> None:
     print(json.dumps({
         "run": str(args.run_dir), "fitted_on": str(fit), "in_sample": fit.resolve() == args.run_dir.resolve(),
         "t_train_s": round(t_train, 2), "bcast_s": round(statistics.mean(bcast), 2),
+        "signal_share": round(learner.signal_share, 3),
         "workers_rollouts_per_s": [round(c.rollouts_per_s, 2) for c in classes],
         "measured_utilisation": measured["utilisation"],
         "predicted_utilisation": round(predicted, 3),

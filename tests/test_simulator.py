@@ -75,3 +75,16 @@ def test_same_seed_same_simulation_in_two_processes():
     first, second = run_cli(*args), run_cli(*args)
     assert first.returncode == 0, first.stderr
     assert json.loads(first.stdout) == json.loads(second.stdout)
+
+
+def test_dynamic_sampling_leases_ahead_and_trains_only_groups_with_signal():
+    """signal_share < 1: only groups with signal are trained on (P per step, as in a real run), and the
+    learner leases P / share groups per batch, so it works further ahead and its batches are staler."""
+    from learner.plan.simulator import LearnerProfile, WorkerClass, simulate
+
+    def mean_staleness(share: float) -> float:
+        r = simulate(LearnerProfile(signal_share=share), [WorkerClass()], 6, 40, seed=0)
+        assert r.steps == 40 and sum(r.staleness.values()) == 40 * 4
+        return sum(int(k) * v for k, v in r.staleness.items()) / 160
+
+    assert mean_staleness(0.5) > mean_staleness(1.0) + 0.3

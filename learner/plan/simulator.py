@@ -6,7 +6,9 @@ Long because one event loop reads best whole: each event kind is one method of S
 
 What is simulated, per event:
 
-    learner    takes a batch of P groups within the staleness bound (oldest first, stale ones dropped),
+    learner    takes a batch of P groups within the staleness bound (oldest first, stale ones dropped;
+               with dynamic sampling, signal_share < 1, only groups with signal count and it leases
+               P / share groups per batch),
                trains for T_train (with jitter), publishes every kappa steps; after each step the
                scheduler gets the same observations as in a real run and re-plans
     broadcast  a version of M bytes reaches worker i encode_s + rtt_i + 1.2 * T_min + load_s after the
@@ -55,6 +57,9 @@ class LearnerProfile:
     margin: float = 0.1
     expected_step_s: float = 30.0  # the user's guess of T_train: workers are planned on it until T is measured
     wait_for_newer: bool = True  # admission's "newer" rule (false: leases always go out with the version held)
+    signal_share: float = 1.0  # dynamic sampling when < 1: the share of groups whose rewards differ; the others
+    # are set aside, and the learner leases P / share groups per batch (at most sampling_rounds batches' worth)
+    sampling_rounds: int = 4
 
 
 @dataclass
@@ -169,6 +174,7 @@ class Simulation:
         self.last_step_end = 0.0
         self.step_started = 0.0  # when the step under way began (read while training)
         self.made_at = {0: 0.0}  # version -> when the step that made it ended
+        self.signal_ema = 1.0  # the learner's running estimate of the share of groups with signal
         self.idle: list[str] = []  # workers asking for a lease (may hold stale entries: checked on use)
         self.out: list[tuple[float, int]] = []  # (time it leaves the learner, version), in order
         self.newest_out = -1
@@ -230,6 +236,7 @@ class Simulation:
             first = min((self._fetch_s(w, self.p.version_mb) for w in self.workers.values() if w.connected), default=0)
             self.bcast.append(self.p.encode_s + first)
             self.scheduler.broadcast_done(self.p.encode_s + first)
+        self.scheduler.cfg.rollouts_per_step = self._batch_groups() * self.p.group_size  # as the learner does
         self.scheduler.step_done(self.step, seconds, period, trained=True)
         for w in self.workers.values():
             if w.connected:  # connected workers heartbeat
@@ -253,14 +260,20 @@ class Simulation:
                 self._fetch_next(w)
 
     def _room(self) -> int:
-        return self.p.prefetch_batches * self.p.prompts_per_step - len(self.buffer) - self.outstanding
+        return self.p.prefetch_batches * self._batch_groups() - len(self.buffer) - self.outstanding
+
+    def _batch_groups(self) -> int:
+        """Groups leased for one batch: P, or with dynamic sampling P / signal share as the learner does."""
+        if self.p.signal_share >= 1:
+            return self.p.prompts_per_step
+        return math.ceil(self.p.prompts_per_step / max(self.signal_ema, 1 / self.p.sampling_rounds))
 
     def _admit(self, w: SimWorker) -> Admission:
         """The learner's rule (learner.plan.admission) on worker w's request for a lease."""
         age_s = self.now - self.published_at.get(w.held, self.now)
         return self.admission.admit(
             w.name, w.held, self.p.groups_per_lease, self.now, version=self.version, age_s=age_s,
-            batch_groups=self.p.prompts_per_step, buffered=len(self.buffer), leased=self.outstanding,
+            batch_groups=self._batch_groups(), buffered=len(self.buffer), leased=self.outstanding,
             newer_age_s=self.now - self.made_at[self.version] if self.version > w.held else None,
             step_age_s=self.now - self.step_started if self.training else None,
         )  # fmt: skip
@@ -343,7 +356,10 @@ class Simulation:
             self.scheduler.lease_done(name, self.now, self.now - issued, n * self.p.group_size)
             for _ in range(n):
                 self.scheduler.group_arrived(name, fresh=within_staleness(self.version, version, self.p.staleness))
-                self.buffer.append((version, name))
+                signal = self.p.signal_share >= 1 or self.rng.random() < self.p.signal_share
+                self.signal_ema += 0.1 * (signal - self.signal_ema)  # as the learner's ReplayBuffer estimates it
+                if signal:  # else set aside: it trains nothing
+                    self.buffer.append((version, name))
             self._try_train()
         self._wake(w)
 
