@@ -48,8 +48,8 @@ class LeaseAdmission:
         timeout = the scheduler's deadline for this worker; the lease expires at now + timeout
 
     A worker that fetches versions while it generates asks with the version its engine will run the
-    lease with, so x is the version the lease starts with. It is told to wait for the newest published
-    version n > x ("newer") only when waiting costs the learner nothing: with the step under way begun s
+    lease with, so x is the version the lease starts with. It is told to wait for the newest version
+    n > x ("newer") only when waiting costs the learner nothing: with the step under way begun s
     seconds ago, n made (its step ended) a_n seconds ago, B the broadcast time and k = ceil(room /
     (active workers * lease size)) the leases each worker still has to return for the next batch,
 
@@ -76,7 +76,7 @@ class LeaseAdmission:
         version: int, age_s: float, batch_groups: int, buffered: int, leased: int,
         newer_age_s: float | None = None, step_age_s: float | None = None,
     ) -> Admission:  # fmt: skip
-        """newer_age_s: seconds since the newest published version came out, None if the worker holds it;
+        """newer_age_s: seconds since the newest version was made (its step ended), None if the worker holds it;
         step_age_s: seconds since the learner's step under way began, None while it waits for a batch."""
         if self.mode == "pull":
             if held != version:
