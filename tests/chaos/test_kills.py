@@ -111,8 +111,10 @@ def corrupt_store(work_dir: Path) -> list[str]:
 
 
 def test_worker_killed_mid_chunk_then_its_damaged_store_is_repaired(swarm):
-    # a 30 kB/s learner uplink: the 0.2 MB first version takes seconds to arrive
-    learner = swarm.learner("--steps", "100000", "--upload-bps", "30000")
+    # a 30 kB/s learner uplink: the 0.2 MB first version takes seconds to arrive. One full snapshot (v0)
+    # and deltas after it, so the store holds several chunks whenever it is killed (a newer snapshot
+    # would let it drop all but one)
+    learner = swarm.learner("--steps", "100000", "--upload-bps", "30000", "--full-every", "100000")
     victim = swarm.worker("victim", "-v")
     manifest = swarm.tmp / "victim" / "chunks" / "v0" / "manifest.msgpack"
     wait_for(manifest.exists, 120, "the victim to start fetching v0", [("victim", victim)])
