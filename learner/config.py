@@ -186,7 +186,7 @@ class SwarmConfig:
     publish_every: int = 1
     """kappa: publish a policy version every this many optimizer steps (must be <= S + 1; pull mode uses 1)."""
     full_every: int = 10
-    """Every this many publications is a full snapshot; the others are XOR deltas of the 16-bit weights."""
+    """Every this many publications also gets a full snapshot beside its delta, for workers that join or restart."""
     wire_dtype: Literal["bf16", "f16"] = "f16"
     """16-bit format of published weights: f16 (exactly what the workers' F16 GGUF holds) or bf16 (smaller deltas)."""
     wire_topk: float = 1.0

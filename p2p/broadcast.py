@@ -16,9 +16,16 @@ one algorithm, kept in one place with the seeder side it talks to.
 
 Have-maps travel both ways in one /echo/have/1 request: the asker sends its map and gets the other's.
 
+Versions form a chain: a full snapshot, then deltas. The learner also publishes a full snapshot beside
+the delta of every full_every-th version (in Seeder.snapshots). A worker that follows the chain fetches
+deltas only, and derives each such snapshot from the weights it rebuilt: it encodes them as the learner
+did and keeps the result if every chunk matches the signed snapshot manifest's hashes, so it can serve
+the snapshot to joiners and restart from it. A joiner fetches the newest snapshot, then the deltas after
+it. Chunk and have requests say which of a version's two forms they mean ("full").
+
 Protocols: /echo/manifest/1 (newest or given version; with "since", the manifests before it that rebuild
-it from that version or a full snapshot), /echo/chunk/1, /echo/have/1, /echo/join/1
-(register with the learner, get the peer list).
+it from that version, or else from the newest full snapshot, and the snapshots beside those deltas),
+/echo/chunk/1, /echo/have/1, /echo/join/1 (register with the learner, get the peer list).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from p2p.chunk_store import ChunkStore
-from p2p.codec import sha256
+from p2p.codec import encode, sha256, split_chunks
 from p2p.host import BadRequest, Host, Misbehaviour, PeerUnavailable, RemoteError
 from p2p.manifest import Manifest
 from p2p.versions import PolicyVersion
@@ -56,6 +63,11 @@ class VersionDropped(RemoteError):
     """The learner no longer holds the version being fetched (a newer one is out): fetch the newest instead."""
 
 
+def is_full(manifest: Manifest) -> bool:
+    """Whether a manifest is a full snapshot (weights or LoRA adapters), not a delta on another version."""
+    return manifest.base_version is None
+
+
 def bitmap(indices: set[int], n: int) -> bytes:
     out = bytearray((n + 7) // 8)
     for i in indices:
@@ -70,11 +82,15 @@ def from_bitmap(data: bytes, n: int) -> set[int]:
 
 
 class ChunkServer:
-    """Serves the manifests and chunks of a ChunkStore, and trades have-maps with peers."""
+    """Serves the manifests and chunks of a ChunkStore, and trades have-maps with peers.
+
+    A worker's store holds one form of each version (the delta it fetched, or the full snapshot it
+    fetched or derived); the learner's also has `snapshots` beside its chain."""
 
     def __init__(self, host: Host, store: ChunkStore, upload_slots: int | None = None) -> None:
         self.host = host
         self.store = store
+        self.snapshots: ChunkStore | None = None  # the learner's full snapshots beside the chain
         self.peer_have: dict[str, dict[int, set[int]]] = defaultdict(dict)  # peer -> version -> chunks
         self.peer_said_no: dict[str, dict[int, int]] = defaultdict(dict)  # peer -> version -> "not fetching it"s
         self.chunks_served = 0
@@ -100,27 +116,56 @@ class ChunkServer:
         reply = {"manifest": versions[version].to_dict()}
         since = msg.get("since")
         if "since" in msg and (since is None or isinstance(since, int)):
-            # the manifests that rebuild `version` from `since` (or from a full snapshot), in one round trip
-            chain, m = [], versions[version]
-            while m.base_version is not None and m.base_version != since and m.base_version in versions:
-                m = versions[m.base_version]
-                chain.insert(0, m.to_dict())
-            reply["chain"] = chain
+            chain = self._chain(version, since)
+            reply["manifest"] = chain[-1].to_dict()
+            reply["chain"] = [m.to_dict() for m in chain[:-1]]
+            snapshots = self.snapshots.manifests if self.snapshots is not None else {}
+            reply["snapshots"] = [snapshots[m.version].to_dict() for m in chain if m.version in snapshots]
         return reply
 
-    def _same_run(self, version: int, run_id: object) -> bool:
+    def _chain(self, version: int, since: int | None) -> list[Manifest]:
+        """The manifests that rebuild `version`, oldest first: the deltas from `since` if the chain still
+        reaches back to it, else the newest full snapshot up to `version` and the deltas after it."""
+        versions = self.store.manifests
+        chain = [versions[version]]
+        while not is_full(chain[0]) and chain[0].base_version != since and chain[0].base_version in versions:
+            chain.insert(0, versions[chain[0].base_version])
+        if since is not None and not is_full(chain[0]) and chain[0].base_version == since:
+            return chain
+        snapshots = self.snapshots.manifests if self.snapshots is not None else {}
+        fulls = {v: m for v, m in snapshots.items() if v <= version} | {m.version: m for m in chain if is_full(m)}
+        start = max(fulls, default=None)
+        if start is None or not all(v in versions for v in range(start + 1, version + 1)):
+            return chain  # no snapshot to start from: the asker sees the chain is broken, and says so
+        return [fulls[start], *(versions[v] for v in range(start + 1, version + 1))]
+
+    def _store_for(self, version: int, full: object) -> ChunkStore | None:
+        """The store that holds `version` in the form asked for (full True/False; None: whichever the
+        chain has), or None."""
+        manifest = self.store.manifests.get(version)
+        if manifest is not None and (full is None or is_full(manifest) == full):
+            return self.store
+        if full is True and self.snapshots is not None and version in self.snapshots.manifests:
+            return self.snapshots
+        return None
+
+    @staticmethod
+    def _same_run(store: ChunkStore, version: int, run_id: object) -> bool:
         """Whether our `version` is the asker's (a learner restart numbers versions from the checkpoint
         again, so a peer that has not noticed yet holds another run's v6; requests name their run)."""
-        manifest = self.store.manifests.get(version)
+        manifest = store.manifests.get(version)
         return run_id is None or manifest is None or manifest.run_id == run_id
 
     def _on_chunk(self, peer: str, msg: dict) -> dict:
         version, index = msg.get("version"), msg.get("index")
         if not isinstance(version, int) or not isinstance(index, int):
             raise Misbehaviour("chunk request needs integer version and index")
-        if not self._same_run(version, msg.get("run_id")):
+        store = self._store_for(version, msg.get("full"))
+        if store is None:
+            raise BadRequest(f"version {version} is not held here in the form asked for")
+        if not self._same_run(store, version, msg.get("run_id")):
             raise BadRequest(f"version {version} here belongs to another run")
-        data = self.store.get(version, index)
+        data = store.get(version, index)
         if data is None:
             raise BadRequest(f"chunk {index} of version {version} is not held here")
         self.chunks_served += 1
@@ -128,17 +173,17 @@ class ChunkServer:
 
     def _on_have(self, peer: str, msg: dict) -> dict:
         version = msg.get("version")
-        manifest = self.store.manifests.get(version) if isinstance(version, int) else None
-        if manifest is None or not self._same_run(version, msg.get("run_id")):
+        store = self._store_for(version, msg.get("full")) if isinstance(version, int) else None
+        if store is None or not self._same_run(store, version, msg.get("run_id")):
             return {"have": None}
-        n = len(manifest.chunks)
-        if isinstance(msg.get("have"), bytes):
+        n = len(store.manifests[version].chunks)
+        if isinstance(msg.get("have"), bytes) and store is self.store:  # (the learner's status counts the chain's)
             maps = self.peer_have[peer]
             maps[version] = from_bitmap(msg["have"], n)
             self.peer_said_no[peer].pop(version, None)
             for old in [v for v in maps if v not in self.store.manifests]:  # versions dropped since
                 del maps[old]
-        return {"have": bitmap(self.store.held(version), n)}
+        return {"have": bitmap(store.held(version), n)}
 
 
 class Seeder(ChunkServer):
@@ -146,10 +191,15 @@ class Seeder(ChunkServer):
 
     def __init__(self, host: Host, store: ChunkStore) -> None:
         super().__init__(host, store)
+        spill = store.spill_dir / "snapshots" if store.spill_dir is not None else None
+        self.snapshots = ChunkStore(spill_dir=spill, memory_budget=store.memory_budget)
         self.peers: dict[str, list[str]] = {}  # peer id -> its multiaddrs
         host.handle(JOIN, self._on_join)
 
-    def publish(self, pv: PolicyVersion) -> None:
+    def publish(self, pv: PolicyVersion, beside: PolicyVersion | None = None) -> None:
+        """Add a version to the chain, and `beside` (its full snapshot, if made) to the snapshots."""
+        if beside is not None:  # first, so that no joiner is sent to a delta it cannot start from
+            self.snapshots.add_version(beside)
         self.store.add_version(pv)
 
     def forget(self, peer: str) -> None:
@@ -215,19 +265,24 @@ class BroadcastPeer(ChunkServer):
 
     def fetch_manifest(self, version: int | None = None, timeout: float = 10.0) -> Manifest:
         """The learner's newest (or given) manifest, checked against the learner's key."""
-        return self._manifests(version, timeout)[-1]
+        return self._manifests(version, timeout)[0][-1]
 
-    def _manifests(self, version: int | None, timeout: float, chain_since: int | None | bool = False) -> list[Manifest]:
+    def _manifests(
+        self, version: int | None, timeout: float, chain_since: int | None | bool = False
+    ) -> tuple[list[Manifest], dict[int, Manifest]]:
         """The learner's manifest of `version` (newest if None), last; before it, with `chain_since` (a
         version held, or None for none), the manifests that rebuild it from there or from a full snapshot,
-        oldest first. All checked against the learner's key and added to the store."""
+        oldest first. All checked against the learner's key and added to the store. Also the full
+        snapshots the learner holds beside deltas of that chain, by version (checked, not stored)."""
         ask = {"version": version} if chain_since is False else {"version": version, "since": chain_since}
         reply = self.host.request(self.learner, MANIFEST, ask, timeout=timeout)
         manifests = [Manifest.from_dict(m) for m in [*reply.get("chain", [])[:1000], reply["manifest"]]]
-        for m in manifests:
+        snapshots = [Manifest.from_dict(m) for m in reply.get("snapshots", [])[:1000]]
+        for m in [*manifests, *snapshots]:
             m.verify(self.learner)
+        for m in manifests:
             self.store.add_manifest(m)
-        return manifests
+        return manifests, {m.version: m for m in snapshots if is_full(m)}
 
     def sync(
         self,
@@ -247,7 +302,7 @@ class BroadcastPeer(ChunkServer):
         """
         from p2p.versions import rebuild_raw
 
-        chain = self._manifests(version, timeout=10, chain_since=held[0] if held is not None else None)
+        chain, snapshots = self._manifests(version, timeout=10, chain_since=held[0] if held is not None else None)
         newest = chain[-1]
         if newest.adapter_base is not None:
             raise RemoteError(f"version {newest.version} holds LoRA adapters: sync to v{newest.adapter_base} first")
@@ -268,8 +323,28 @@ class BroadcastPeer(ChunkServer):
         for manifest, chunks in zip(chain, fetched, strict=True):
             raw = rebuild_raw(manifest, chunks, raw, known if manifest.base_version is not None else None)
             known = manifest.weights_sha256
+            snapshot = snapshots.get(manifest.version)
+            if snapshot is not None and not is_full(manifest) and snapshot.weights_sha256 == known:
+                self._derive_snapshot(snapshot, raw)
         self._drop_before_newest_snapshot(newest.version)
         return newest, raw
+
+    def _derive_snapshot(self, snapshot: Manifest, raw: bytes) -> bool:
+        """Encode `raw` (the weights of the snapshot's version, just rebuilt) as the learner encoded its
+        full snapshot; if every chunk matches the signed manifest, the snapshot replaces the delta in our
+        store (we serve it to joiners and restart from it) at the cost of a compression, not a download.
+        A different zstd build may compress differently: then nothing is kept, and joiners fetch it elsewhere."""
+        sizes = [size for _, size in snapshot.chunks]
+        chunks = split_chunks(encode(raw), sizes[0] if sizes else 1)
+        if [(sha256(c), len(c)) for c in chunks] != [tuple(c) for c in snapshot.chunks]:
+            self.stats["snapshots_not_derived"] += 1
+            log.info("v%d: our encoding of its full snapshot differs from the learner's; not kept", snapshot.version)
+            return False
+        self.store.drop(snapshot.version)
+        self.store.add_version(PolicyVersion(snapshot, chunks))
+        self.stats["snapshots_derived"] += 1
+        log.debug("v%d: full snapshot derived from the rebuilt weights (%d chunks)", snapshot.version, len(chunks))
+        return True
 
     def _drop_before_newest_snapshot(self, newest: int) -> None:
         """Keep what rebuilds `newest` (its full snapshot and the deltas after it), which late joiners
@@ -409,7 +484,7 @@ class BroadcastPeer(ChunkServer):
         version = manifest.version
         digest, size = manifest.chunks[index]
         try:
-            request = {"version": version, "index": index, "run_id": manifest.run_id}
+            request = {"version": version, "index": index, "run_id": manifest.run_id, "full": is_full(manifest)}
             data = self.host.request(source, CHUNK, request, timeout=60)["data"]
             if not isinstance(data, bytes) or len(data) != size or sha256(data) != digest:
                 self.penalties[source] += 1
@@ -439,7 +514,7 @@ class BroadcastPeer(ChunkServer):
     def _exchange_have_maps(self, manifest: Manifest, held: set[int]) -> None:
         version, n = manifest.version, len(manifest.chunks)
         mine = bitmap(held, n)
-        ask = {"version": version, "have": mine, "run_id": manifest.run_id}
+        ask = {"version": version, "have": mine, "run_id": manifest.run_id, "full": is_full(manifest)}
         try:  # the learner only records it (for `echo-rl status`); its own map is all ones
             self.host.request(self.learner_addr, HAVE, ask, timeout=5)
         except (PeerUnavailable, RemoteError):

@@ -43,9 +43,15 @@ class ChunkStore:
         return self.spill_dir / f"v{version}" / f"{index:06d}.chunk"
 
     def add_manifest(self, manifest: Manifest) -> None:
+        """Hold `manifest`'s version. One form per version: a manifest listing other chunks than the one
+        held (the full snapshot where we began fetching the delta, another run's version) replaces it."""
         with self._lock:
-            if manifest.version in self.manifests:
+            held = self.manifests.get(manifest.version)
+            if held is not None and held.chunks == manifest.chunks and held.run_id == manifest.run_id:
                 return
+        if held is not None:
+            self.drop(manifest.version)
+        with self._lock:
             self.manifests[manifest.version] = manifest
         if self.persist:
             _write_atomic(self.spill_dir / f"v{manifest.version}" / "manifest.msgpack",

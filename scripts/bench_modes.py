@@ -27,8 +27,12 @@ def main() -> None:
     parser.add_argument("--out", default="runs/modes")
     parser.add_argument("--modes", default="colocated,pull,async")
     parser.add_argument("--seed", type=int, default=0, help="run seed: prompts, sampling")
-    parser.add_argument("--extra", nargs="*", default=[], help="more learner flags, e.g. --extra=--objective=decoupled")
-    parser.add_argument("--worker-extra", nargs="*", default=[], help="more worker flags: --worker-extra=--no-overlap")
+    parser.add_argument(
+        "--extra", nargs="*", action="extend", default=[], help="more learner flags (repeatable): --extra=--lr=2e-4"
+    )
+    parser.add_argument(
+        "--worker-extra", nargs="*", action="extend", default=[], help="more worker flags: --worker-extra=--no-overlap"
+    )
     parser.add_argument("--summarize-only", action="store_true", help="only summarize the runs already in --out")
     args = parser.parse_args()
     out = Path(args.out)

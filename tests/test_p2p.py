@@ -280,6 +280,49 @@ def test_a_version_the_learner_dropped_is_dropped_by_the_fetching_peer(hosts):
     assert m.version not in peer.store.manifests  # so peers stop counting on our share of it
 
 
+def test_followers_fetch_only_deltas_and_derive_the_snapshots_that_joiners_fetch(hosts):
+    """Every 3rd version also gets a full snapshot beside its delta: a worker that follows the chain
+    downloads only deltas and derives the snapshot from its rebuilt weights (the same chunks, by hash);
+    a joiner gets the snapshot and the deltas after it, and fetches the snapshot from that follower too."""
+    from learner.orchestrate.publisher import Publisher
+
+    learner = hosts()
+    seeder = Seeder(learner, ChunkStore())
+    publisher = Publisher(seeder, run_id="run", full_every=3, dtype="f16", chunk_size=1 << 18)
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(1024, 1024)).astype(np.float16)  # 2 MiB raw: 8 chunks as a full snapshot
+    publisher.publish(0, {"w": w.copy()})
+    follower = BroadcastPeer(hosts(), ChunkStore(), learner.addrs[0])
+    follower.join()
+    m, raw = follower.sync(None, timeout=60)
+    for version in range(1, 5):
+        w.reshape(-1)[rng.integers(0, w.size, 2000)] += np.float16(0.01)  # a training step's few changes
+        publisher.publish(version, {"w": w.copy()})
+        m, raw = follower.sync((m.version, raw), timeout=60, held_sha256=m.weights_sha256)
+        assert m.version == version and raw == build_version("run", version, {"w": w})[1]
+    chain, snapshots = seeder.store.manifests, seeder.snapshots.manifests
+    assert [chain[v].base_version for v in range(5)] == [None, 0, 1, 2, 3] and set(snapshots) == {3}
+    fetched = sum(len(chain[v].chunks) for v in range(5))
+    assert follower.stats["from_learner"] + follower.stats["from_peers"] == fetched  # no snapshot chunk
+    assert follower.stats["snapshots_derived"] == 1 and follower.store.manifests[3].base_version is None
+    assert follower.store.manifests[3].chunks == snapshots[3].chunks and sorted(follower.store.manifests) == [3, 4]
+
+    joiner = BroadcastPeer(hosts(), ChunkStore(), learner.addrs[0])
+    joiner.join()
+    assert follower.host.peer_id in joiner.peers
+    joined, joined_raw = joiner.sync(None, timeout=60)
+    assert joined.version == 4 and joined_raw == raw
+    assert sorted(joiner.store.manifests) == [3, 4] and joiner.store.manifests[3].base_version is None
+    assert joiner.stats["from_peers"] > 0, joiner.stats  # the follower served the snapshot it derived
+
+    for version in range(5, 7):  # v6: the next snapshot; the learner drops what is older than v3
+        w.reshape(-1)[rng.integers(0, w.size, 2000)] += np.float16(0.01)
+        publisher.publish(version, {"w": w.copy()})
+    assert sorted(chain) == [3, 4, 5, 6] and sorted(snapshots) == [3, 6]
+    m, raw = follower.sync((m.version, raw), timeout=60, held_sha256=m.weights_sha256)
+    assert m.version == 6 and sorted(follower.store.manifests) == [6] and follower.stats["snapshots_derived"] == 2
+
+
 class TamperingServer(ChunkServer):
     """A peer that holds every chunk but flips a bit in each one it serves."""
 

@@ -46,10 +46,12 @@ class Publisher:
 
     Workers hold 16-bit weights: f16 (the default: the precision of the sampler's F16 GGUF, so workers
     sample from the very weights a co-located sampler would) or bf16 (deltas about 40% smaller).
-    The first publication and every `full_every`-th one is a full snapshot;
-    the others are XOR deltas against the previous publication. Versions older than the full snapshot
-    before the newest are dropped from the store: a late joiner needs the newest snapshot and the deltas
-    after it, and a worker still fetching the previous chain can finish it.
+    The first publication is a full snapshot; every later one is a delta against the previous
+    publication, so a worker that follows the chain downloads only deltas. Every `full_every`-th
+    publication also gets a full snapshot beside its delta (Seeder.snapshots), for late joiners and
+    restarted workers; a following worker derives that snapshot from the weights it rebuilt rather than
+    download it (BroadcastPeer.sync). Once a snapshot is out, the chain and snapshots older than the
+    snapshot before it are dropped: a worker still fetching from there can finish.
     Workers learn of a new version from the learner's heartbeat and lease replies (`newest`).
 
     Sparse deltas (`topk` < 1, error feedback): a delta version changes only the `topk` share of each
@@ -85,6 +87,7 @@ class Publisher:
         self.published = 0
         self.previous: tuple[int, bytes] | None = None  # (version, raw bf16 bytes) of the last publication
         self.last_full: int | None = None  # the newest full snapshot
+        self.beside: PolicyVersion | None = None  # the full snapshot encode() made beside its delta, if any
         self.topk = topk  # share of each matrix's coordinates a delta version changes (1: all)
         self.sent: dict[str, np.ndarray] = {}  # W_pub: the 16-bit weights the workers hold (topk < 1)
 
@@ -125,17 +128,25 @@ class Publisher:
         return out
 
     def encode(self, version: int, tensors: dict[str, np.ndarray], signer: Host | None = None) -> PolicyVersion:
-        """Encode a snapshot as the next version (full or delta, as publish() would) and sign it with
-        `signer`'s key; the next delta builds on it. publish() also hands it to the seeder (benchmarks
-        call this alone)."""
+        """Encode a snapshot as the next version of the chain (the first: full; after it, a delta) and sign
+        it with `signer`'s key; the next delta builds on it. When the version is due a full snapshot and
+        is not the first, the snapshot is made too and left in `self.beside` (else None). publish() also
+        hands them to the seeder (benchmarks call this alone)."""
         adapter = self.lora and self.base is not None
+        full = self.next_is_full()
+        first = self.previous is None
         pv, raw = build_version(
             self.run_id, version, tensors, wire_dtypes(tensors),
-            base=None if self.next_is_full() or adapter else self.previous, chunk_size=self.chunk_size,
+            base=None if first or adapter else self.previous, chunk_size=self.chunk_size,
             adapter_base=self.base if adapter else None,
         )  # fmt: skip
-        if signer is not None:
-            pv.manifest = pv.manifest.signed(signer.key, signer.peer_id)
+        self.beside = None
+        if full and not first:
+            dtypes = wire_dtypes(tensors)
+            self.beside = build_version(self.run_id, version, tensors, dtypes, chunk_size=self.chunk_size)[0]
+        for made in (pv, self.beside):
+            if made is not None and signer is not None:
+                made.manifest = made.manifest.signed(signer.key, signer.peer_id)
         self.previous = (version, raw)
         self.published += 1
         return pv
@@ -145,11 +156,12 @@ class Publisher:
         adapter = self.lora and self.base is not None
         full = self.next_is_full()
         pv = self.encode(version, tensors, self.seeder.host)
-        self.seeder.publish(pv)
+        self.seeder.publish(pv, self.beside)
         store = self.seeder.store
-        if full:  # keep the chain before this snapshot too: a worker mid-way through it can finish
-            for old in [v for v in store.manifests if self.last_full is not None and v < self.last_full]:
-                store.drop(old)
+        if full:  # keep the chain from the snapshot before this one: a worker mid-way through it can finish
+            for kept in (store, self.seeder.snapshots):
+                for old in [v for v in kept.manifests if self.last_full is not None and v < self.last_full]:
+                    kept.drop(old)
             self.last_full = version
         if adapter:  # a worker mid-fetch may still want the one before
             for old in sorted(v for v in store.manifests if v != self.base)[:-2]:
@@ -157,8 +169,9 @@ class Publisher:
         elif self.lora:
             self.base = version
         log.info(
-            "published v%d (%s, %.1f MB on the wire, %.1f%% of the raw 16-bit tensors)", version,
+            "published v%d (%s, %.1f MB on the wire, %.1f%% of the raw 16-bit tensors)%s", version,
             f"LoRA adapters for v{self.base}" if adapter else pv.manifest.codec,
             pv.manifest.payload_size / 1e6, 100 * pv.manifest.payload_size / pv.manifest.raw_size,
+            f"; a {self.beside.manifest.payload_size / 1e6:.1f} MB full snapshot beside it" if self.beside else "",
         )  # fmt: skip
         return pv.manifest
