@@ -494,6 +494,7 @@ class BroadcastPeer(ChunkServer):
             else:
                 self.store.put(version, index, data)
                 self.stats["from_learner" if source == self.learner else "from_peers"] += 1
+                self.stats["bytes_from_learner" if source == self.learner else "bytes_from_peers"] += size
                 log.debug(
                     "chunk %d of v%d from %s", index, version, "the learner" if source == self.learner else source[-8:]
                 )

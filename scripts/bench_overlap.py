@@ -1,10 +1,12 @@
 """A worker's rollouts per second while new policy versions keep arriving, against no new versions.
 
-    .venv/bin/python scripts/bench_overlap.py [--period 15] [--seconds 90] [--rounds 2] [--wire f16] [--topk 1] [--json]
+    .venv/bin/python scripts/bench_overlap.py [--period 15] [--seconds 90] [--rounds 2] [--wire f16] [--topk 1]
+        [--lora-rank 0] [--json]
 
 First `--versions` real GRPO steps (SmolLM2-135M on arithmetic, sampled by llama.cpp, the demo's
 learning rate) are trained and encoded as the learner's Publisher does (`--wire` f16 or bf16, `--topk`
-share of each matrix's changes; deltas, signed). Then
+share of each matrix's changes; deltas, signed; or with `--lora-rank r`, rank-r adapters trained at
+`--lr` and versions that carry only them after v0). Then
 the same worker pipeline runs in three modes, interleaved for `--rounds` rounds of `--seconds` each
 (side by side, so the machine's noise hits all three alike):
 
@@ -41,7 +43,8 @@ from grpo_steps import train  # scripts/grpo_steps.py
 
 from learner.orchestrate.publisher import Publisher
 from learner.tasks import make_task
-from learner.train.models import load_policy, model_spec
+from learner.train.lora import add_lora
+from learner.train.models import Policy, load_policy, model_spec
 from learner.train.wire_weights import wire_tensors
 from p2p.broadcast import BroadcastPeer, Seeder
 from p2p.chunk_store import ChunkStore
@@ -52,21 +55,32 @@ from worker.engines.llamacpp import LlamaCppEngine
 from worker.fetcher import VersionFetcher
 
 
-def encode_versions(model: str, n: int, lr: float, wire: str, topk: float) -> tuple[list[PolicyVersion], dict]:
-    """v0 (a full snapshot) and n deltas, each after one real GRPO step, encoded and signed as the
-    learner's Publisher does (`wire` 16-bit format, `topk` share of each matrix's changes)."""
+def policy_with(model: str, lora_rank: int) -> Policy:
+    """The model, with rank-`lora_rank` adapters (alpha 16, the learner's default) when > 0."""
     policy = load_policy(model, "~/.cache/echo-rl")
+    if lora_rank:
+        add_lora(policy.model, lora_rank, 16.0)
+        policy.lora_rank, policy.lora_alpha = lora_rank, 16.0
+    return policy
+
+
+def encode_versions(
+    model: str, n: int, lr: float, wire: str, topk: float, lora_rank: int
+) -> tuple[list[PolicyVersion], dict]:
+    """v0 (a full snapshot) and n deltas (or adapter versions), each after one real GRPO step, encoded
+    and signed as the learner's Publisher does (`wire` 16-bit format, `topk` share of each matrix's changes)."""
+    policy = policy_with(model, lora_rank)
     engine = LlamaCppEngine(tempfile.mkdtemp(prefix="echo-overlap-"), threads=2, max_batch=32)
     engine.load_policy(model_spec(policy), wire_tensors(policy.model))
     signer = Host().start()
-    publisher = Publisher(seeder=None, run_id="bench", full_every=10**6, dtype=wire, topk=topk)
+    publisher = Publisher(seeder=None, run_id="bench", full_every=10**6, dtype=wire, topk=topk, lora=lora_rank > 0)
     versions = []
 
     def publish(step: int) -> None:
         versions.append(publisher.encode(step, publisher.carry(publisher.snapshot(policy.model)), signer))
 
     publish(0)
-    train(policy, engine, n, lr, lora=False, on_step=publish)
+    train(policy, engine, n, lr, lora=lora_rank > 0, on_step=publish)
     engine.close()
     info = {
         "bf16_checkpoint_bytes": versions[0].manifest.raw_size,
@@ -160,13 +174,14 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-5, help="learning rate of the steps (configs/demo.toml's)")
     parser.add_argument("--wire", choices=("f16", "bf16"), default="f16", help="16-bit format of the versions")
     parser.add_argument("--topk", type=float, default=1.0, help="share of each matrix's changes a delta sends")
+    parser.add_argument("--lora-rank", type=int, default=0, help="train rank-r LoRA adapters, ship only them")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_flush_denormal(True)
     n = int(args.seconds / args.period) + 1
-    versions, info = encode_versions(args.model, n, args.lr, args.wire, args.topk)
+    versions, info = encode_versions(args.model, n, args.lr, args.wire, args.topk, args.lora_rank)
     signer = info.pop("signer")
-    policy = load_policy(args.model, "~/.cache/echo-rl")
+    policy = policy_with(args.model, args.lora_rank)
     spec = model_spec(policy)
     task = make_task("arithmetic", {"ops": "+", "max_value": 20})
     rng = random.Random(0)
@@ -195,6 +210,7 @@ def main() -> None:
         "learner_up_mbit": args.learner_up,
         "wire": args.wire,
         "topk": args.topk,
+        "lora_rank": args.lora_rank,
         "lr": args.lr,
         "rollouts_per_s": {m: round(r, 3) for m, r in rate.items()},
         "overlap_of_static": round(rate["overlap"] / rate["static"], 3),

@@ -31,13 +31,14 @@ def check_accounting(metrics: list[dict], staleness: int) -> None:
 )
 def test_learner_and_two_workers_train(swarm, mode, staleness, wire, topk, w2, tmp_path):
     """async: sparse deltas (wire_topk 0.05: the verifier replays the carried weights the workers hold), one
-    worker that fetches while it generates and one that stops to fetch; pull: full f16 deltas."""
+    worker that fetches while it generates and one that stops to fetch; pull: full f16 deltas. Both: a
+    full snapshot beside every 3rd delta, which the workers derive rather than download."""
     data = tmp_path / "prompts.jsonl"  # a reward half of a random model's samples earn: groups carry signal
     data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": 0}) + "\n" for i in range(8)))
     task = ["--task", f"jsonl:{data}", "--task-args", "reward=tests.rewards:starts_ascii"]
     learner = swarm.learner(
         "--steps", "8", "--sync-mode", mode, "--staleness", str(staleness), "--wire-dtype", wire,
-        "--wire-topk", topk, *task,
+        "--wire-topk", topk, "--full-every", "3", *task,
     )  # fmt: skip
     workers = [swarm.worker("w1"), swarm.worker("w2", *w2)]
     assert swarm.wait(learner, 240) == 0, swarm.log("learner")[-3000:]
@@ -45,6 +46,9 @@ def test_learner_and_two_workers_train(swarm, mode, staleness, wire, topk, w2, t
         w.send_signal(signal.SIGTERM)
     assert [w.wait(60) for w in workers] == [0, 0]
     assert "worker left" in swarm.log("w1") and "worker left" in swarm.log("w2")
+    logs = [" ".join(swarm.log(w).split()) for w in ("w1", "w2")]  # rich wraps long lines
+    derived = [int(re.search(r"derived (\d+) full snapshots", log).group(1)) for log in logs]
+    assert sum(derived) >= 1 and not any("differs from the learner's" in log for log in logs), derived
     metrics = swarm.metrics()
     assert len(metrics) == 8
     check_accounting(metrics, staleness)

@@ -135,7 +135,12 @@ class WorkerDaemon:
             if self.fetcher is not None:
                 self.fetcher.stop()
             self.host.stop()
-            log.info("worker left after %d leases", self.leases_done)
+            stats = self.peer.stats if self.peer is not None else {}
+            log.info(
+                "worker left after %d leases; fetched %.1f MB from the learner and %.1f MB from peers, "
+                "derived %d full snapshots", self.leases_done, stats.get("bytes_from_learner", 0) / 1e6,
+                stats.get("bytes_from_peers", 0) / 1e6, stats.get("snapshots_derived", 0),
+            )  # fmt: skip
 
     def _request(self, protocol: str, message: dict, timeout: float = 30.0) -> dict:
         return self.host.request(self.cfg.learner, protocol, message, timeout=timeout)

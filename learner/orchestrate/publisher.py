@@ -149,6 +149,8 @@ class Publisher:
                 made.manifest = made.manifest.signed(signer.key, signer.peer_id)
         self.previous = (version, raw)
         self.published += 1
+        if self.lora and self.base is None:
+            self.base = version  # the frozen base later versions' adapters apply to
         return pv
 
     def publish(self, version: int, tensors: dict[str, np.ndarray]) -> Manifest:
@@ -166,8 +168,6 @@ class Publisher:
         if adapter:  # a worker mid-fetch may still want the one before
             for old in sorted(v for v in store.manifests if v != self.base)[:-2]:
                 store.drop(old)
-        elif self.lora:
-            self.base = version
         log.info(
             "published v%d (%s, %.1f MB on the wire, %.1f%% of the raw 16-bit tensors)%s", version,
             f"LoRA adapters for v{self.base}" if adapter else pv.manifest.codec,
