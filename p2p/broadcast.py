@@ -191,8 +191,9 @@ class Seeder(ChunkServer):
 
     def __init__(self, host: Host, store: ChunkStore) -> None:
         super().__init__(host, store)
+        # on disk when the chain's store spills (only joiners and restarted workers ask for them), else in memory
         spill = store.spill_dir / "snapshots" if store.spill_dir is not None else None
-        self.snapshots = ChunkStore(spill_dir=spill, memory_budget=store.memory_budget)
+        self.snapshots = ChunkStore(spill_dir=spill, memory_budget=0 if spill is not None else store.memory_budget)
         self.peers: dict[str, list[str]] = {}  # peer id -> its multiaddrs
         host.handle(JOIN, self._on_join)
 
