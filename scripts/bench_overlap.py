@@ -171,7 +171,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads of the worker")
     parser.add_argument("--learner-up", type=float, default=None, help="learner upload cap, Mbit/s (none: loopback)")
-    parser.add_argument("--lr", type=float, default=2e-5, help="learning rate of the steps (configs/demo.toml's)")
+    parser.add_argument("--lr", type=float, default=2e-5, help="lr of the steps (the demo's, full weights)")
     parser.add_argument("--wire", choices=("f16", "bf16"), default="f16", help="16-bit format of the versions")
     parser.add_argument("--topk", type=float, default=1.0, help="share of each matrix's changes a delta sends")
     parser.add_argument("--lora-rank", type=int, default=0, help="train rank-r LoRA adapters, ship only them")

@@ -38,7 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=2e-5, help="learning rate of the steps (configs/demo.toml's)")
+    parser.add_argument("--lr", type=float, default=2e-5, help="lr of the steps (the demo's, full weights)")
     parser.add_argument("--topk", default="1,0.05,0.02,0.01,0.005", help="comma-separated topk shares")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
