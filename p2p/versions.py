@@ -11,6 +11,7 @@ from p2p.codec import (
     DEFAULT_CHUNK,
     SPARSE_BELOW,
     CodecError,
+    TensorEntry,
     changed_words,
     decode,
     decode_sparse,
@@ -48,6 +49,20 @@ def build_version(
     Returns the (unsigned) version and the raw bytes, which the caller keeps as the next delta's base.
     """
     entries, raw = layout(tensors, dtypes)
+    return build_from_raw(run_id, version, entries, raw, base, chunk_size, adapter_base), raw
+
+
+def build_from_raw(
+    run_id: str,
+    version: int,
+    entries: list[TensorEntry],
+    raw: bytes,
+    base: tuple[int, bytes] | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+    adapter_base: int | None = None,
+) -> PolicyVersion:
+    """build_version for weights already laid out (`entries`, `raw`): e.g. a full snapshot of the raw
+    bytes a delta was just built from."""
     codec = "full-zstd"
     if base is not None:
         changed = changed_words(raw, base[1]) if len(raw) == len(base[1]) and len(raw) % 2 == 0 else None
@@ -70,7 +85,7 @@ def build_version(
         weights_sha256=sha256(raw),
         adapter_base=adapter_base,
     )
-    return PolicyVersion(manifest, chunks), raw
+    return PolicyVersion(manifest, chunks)
 
 
 def rebuild_raw(

@@ -12,7 +12,7 @@ from p2p.broadcast import Seeder
 from p2p.codec import DEFAULT_CHUNK
 from p2p.host import Host
 from p2p.manifest import Manifest
-from p2p.versions import PolicyVersion, build_version
+from p2p.versions import PolicyVersion, build_from_raw, build_version
 from p2p.weights import to_float32
 
 log = logging.getLogger(__name__)
@@ -141,9 +141,8 @@ class Publisher:
             adapter_base=self.base if adapter else None,
         )  # fmt: skip
         self.beside = None
-        if full and not first:
-            dtypes = wire_dtypes(tensors)
-            self.beside = build_version(self.run_id, version, tensors, dtypes, chunk_size=self.chunk_size)[0]
+        if full and not first:  # the same raw bytes, whole
+            self.beside = build_from_raw(self.run_id, version, pv.manifest.tensors, raw, chunk_size=self.chunk_size)
         for made in (pv, self.beside):
             if made is not None and signer is not None:
                 made.manifest = made.manifest.signed(signer.key, signer.peer_id)
