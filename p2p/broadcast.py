@@ -113,15 +113,16 @@ class ChunkServer:
             version = max(versions)
         if not isinstance(version, int) or version not in versions:
             raise BadRequest(f"version {version!r} is not held here")
-        reply = {"manifest": versions[version].to_dict()}
         since = msg.get("since")
-        if "since" in msg and (since is None or isinstance(since, int)):
-            chain = self._chain(version, since)
-            reply["manifest"] = chain[-1].to_dict()
-            reply["chain"] = [m.to_dict() for m in chain[:-1]]
-            snapshots = self.snapshots.manifests if self.snapshots is not None else {}
-            reply["snapshots"] = [snapshots[m.version].to_dict() for m in chain if m.version in snapshots]
-        return reply
+        if "since" not in msg or not (since is None or isinstance(since, int)):
+            return {"manifest": versions[version].to_dict()}
+        chain = self._chain(version, since)  # ends with `version`: its chain entry, or its full snapshot
+        snapshots = self.snapshots.manifests if self.snapshots is not None else {}
+        return {
+            "manifest": chain[-1].to_dict(),
+            "chain": [m.to_dict() for m in chain[:-1]],
+            "snapshots": [snapshots[m.version].to_dict() for m in chain if m.version in snapshots],
+        }
 
     def _chain(self, version: int, since: int | None) -> list[Manifest]:
         """The manifests that rebuild `version`, oldest first: the deltas from `since` if the chain still
@@ -330,7 +331,7 @@ class BroadcastPeer(ChunkServer):
         self._drop_before_newest_snapshot(newest.version)
         return newest, raw
 
-    def _derive_snapshot(self, snapshot: Manifest, raw: bytes) -> bool:
+    def _derive_snapshot(self, snapshot: Manifest, raw: bytes) -> None:
         """Encode `raw` (the weights of the snapshot's version, just rebuilt) as the learner encoded its
         full snapshot; if every chunk matches the signed manifest, the snapshot replaces the delta in our
         store (we serve it to joiners and restart from it) at the cost of a compression, not a download.
@@ -340,12 +341,11 @@ class BroadcastPeer(ChunkServer):
         if [(sha256(c), len(c)) for c in chunks] != [tuple(c) for c in snapshot.chunks]:
             self.stats["snapshots_not_derived"] += 1
             log.info("v%d: our encoding of its full snapshot differs from the learner's; not kept", snapshot.version)
-            return False
+            return
         self.store.drop(snapshot.version)
         self.store.add_version(PolicyVersion(snapshot, chunks))
         self.stats["snapshots_derived"] += 1
         log.debug("v%d: full snapshot derived from the rebuilt weights (%d chunks)", snapshot.version, len(chunks))
-        return True
 
     def _drop_before_newest_snapshot(self, newest: int) -> None:
         """Keep what rebuilds `newest` (its full snapshot and the deltas after it), which late joiners

@@ -135,7 +135,7 @@ class WorkerDaemon:
             if self.fetcher is not None:
                 self.fetcher.stop()
             self.host.stop()
-            stats = self.peer.stats if self.peer is not None else {}
+            stats = self.peer.stats
             log.info(
                 "worker left after %d leases; fetched %.1f MB from the learner and %.1f MB from peers, "
                 "derived %d full snapshots", self.leases_done, stats.get("bytes_from_learner", 0) / 1e6,
