@@ -350,7 +350,12 @@ def bench_broadcast(
     peer_up: float = typer.Option(20, "--peer-up", help="Peer upload cap, Mbit/s."),
     peer_down: float = typer.Option(0, "--peer-down", help="Peer download cap, Mbit/s (0 = none)."),
     mode: str = typer.Option("swarm", "--mode", help="swarm (peer-assisted) or star (learner to each peer)."),
-    chunk_mib: float = typer.Option(1.0, "--chunk-mib", help="Chunk size in MiB (1 to 4)."),
+    chunk_mib: float = typer.Option(
+        0.0, "--chunk-mib", help="Chunk size in MiB, 0.25 to 4 (0: the learner's own, about 128 chunks a version)."
+    ),
+    upload_slots: int | None = typer.Option(
+        None, "--upload-slots", help="Chunk replies each node sends at once (0: all; default: the nodes' own, 2)."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Seconds until N peer processes hold a verified version, against star and the bound T_min."""
@@ -358,9 +363,11 @@ def bench_broadcast(
 
     if mode not in ("swarm", "star"):
         raise fail(f"--mode must be swarm or star, got {mode!r}")
-    if peers < 1 or size <= 0 or learner_up <= 0 or peer_up <= 0 or not 1 <= chunk_mib <= 4:
-        raise fail("--peers >= 1, --size > 0, --learner-up > 0, --peer-up > 0 and 1 <= --chunk-mib <= 4 are required")
-    result = run_broadcast_bench(peers, size, learner_up, peer_up, peer_down or None, mode, chunk_mib)
+    if peers < 1 or size <= 0 or learner_up <= 0 or peer_up <= 0:
+        raise fail("--peers >= 1, --size > 0, --learner-up > 0 and --peer-up > 0 are required")
+    if chunk_mib and not 0.25 <= chunk_mib <= 4 or (upload_slots or 0) < 0:
+        raise fail(f"--chunk-mib must be 0 or 0.25 to 4 (got {chunk_mib}) and --upload-slots >= 0 (got {upload_slots})")
+    result = run_broadcast_bench(peers, size, learner_up, peer_up, peer_down or None, mode, chunk_mib, upload_slots)
     if json_out:
         print(json.dumps(result))
         return

@@ -21,6 +21,8 @@ import sys
 import time
 from typing import Any
 
+from p2p.broadcast import UPLOAD_SLOTS
+
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
 
 
@@ -37,7 +39,8 @@ def node_main(argv: list[str]) -> None:
     p.add_argument("--down", type=float, default=None, help="download cap, Mbit/s")
     p.add_argument("--learner", default=None)
     p.add_argument("--mode", choices=["star", "swarm"], default="swarm")
-    p.add_argument("--chunk-mib", type=float, default=1.0)
+    p.add_argument("--chunk-mib", type=float, default=0.0, help="chunk size (0: the learner's, codec.chunk_size_for)")
+    p.add_argument("--upload-slots", type=int, default=UPLOAD_SLOTS, help="chunk replies sent at once (0: all)")
     args = p.parse_args(argv)
 
     import logging
@@ -60,14 +63,18 @@ def node_main(argv: list[str]) -> None:
         rng = np.random.default_rng(0)  # random bits: the codec cannot shrink them, so M is the size asked for
         n_words = int(args.size_mb * 1024 * 1024) // 2
         tensors = {"weights": rng.integers(0, 2**16, n_words, dtype=np.uint16)}
-        pv, _ = build_version("bench", 1, tensors, {"weights": "bf16"}, chunk_size=int(args.chunk_mib * 1024 * 1024))
+        pv, _ = build_version("bench", 1, tensors, {"weights": "bf16"}, chunk_size=int(args.chunk_mib * 2**20) or None)
         pv.manifest = pv.manifest.signed(key, host.peer_id)
-        Seeder(host, ChunkStore()).publish(pv)
-        say(ready=True, addr=host.addrs[0], payload_bytes=pv.manifest.payload_size, chunks=len(pv.chunks))
+        Seeder(host, ChunkStore(), args.upload_slots or None).publish(pv)
+        say(ready=True, addr=host.addrs[0], payload_bytes=pv.manifest.payload_size, chunks=len(pv.chunks),
+            chunk_bytes=pv.manifest.chunks[0][1])  # fmt: skip
         sys.stdin.readline()  # until stop
         return
     star = args.mode == "star"
-    peer = BroadcastPeer(host, ChunkStore(), args.learner, max_inflight=1 if star else 6, use_peers=not star)
+    peer = BroadcastPeer(
+        host, ChunkStore(), args.learner, max_inflight=1 if star else 6, use_peers=not star,
+        upload_slots=args.upload_slots or None,
+    )  # fmt: skip
     peer.join()
     say(ready=True, addr=host.addrs[0])
     sys.stdin.readline()  # connect: every peer has joined by now
@@ -89,8 +96,10 @@ def node_main(argv: list[str]) -> None:
 
 
 def run_broadcast_bench(
-    peers: int, size_mb: float, learner_up: float, peer_up: float, peer_down: float | None, mode: str, chunk_mib: float
-) -> dict[str, Any]:
+    peers: int, size_mb: float, learner_up: float, peer_up: float, peer_down: float | None, mode: str, chunk_mib: float,
+    upload_slots: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """`chunk_mib` 0: the learner's own chunk size; `upload_slots` None: the nodes' own (0: all at once)."""
     node = [sys.executable, "-m", "echo_cli.bench_broadcast", "node"]
     procs: list[subprocess.Popen] = []
 
@@ -104,11 +113,13 @@ def run_broadcast_bench(
 
     try:
         caps = ["--down", str(peer_down)] if peer_down else []
+        upload_slots = UPLOAD_SLOTS if upload_slots is None else upload_slots
+        slots = ["--upload-slots", str(upload_slots)]
         seeder, info = spawn(
-            ["seeder", "--size-mb", str(size_mb), "--up", str(learner_up), "--chunk-mib", str(chunk_mib)]
+            ["seeder", "--size-mb", str(size_mb), "--up", str(learner_up), "--chunk-mib", str(chunk_mib), *slots]
         )
         workers = [
-            spawn(["peer", "--learner", info["addr"], "--up", str(peer_up), "--mode", mode, *caps])[0]
+            spawn(["peer", "--learner", info["addr"], "--up", str(peer_up), "--mode", mode, *caps, *slots])[0]
             for _ in range(peers)
         ]
         for w in workers:  # peers connect to each other before the clock starts (joined swarm workers are)
@@ -148,6 +159,8 @@ def run_broadcast_bench(
         "learner_up_mbit": learner_up,
         "peer_up_mbit": peer_up,
         "peer_down_mbit": peer_down,
+        "chunk_kib": info["chunk_bytes"] // 1024,
+        "upload_slots": upload_slots or None,
         "seconds": round(wall, 2),
         "slowest_peer_s": round(max(r["seconds"] for r in results), 2),  # its own clock: fetch + verify
         "slowest_fetch_s": round(max(r["fetch_s"] for r in results), 2),

@@ -57,6 +57,10 @@ HAVE_REFRESH = 0.3  # seconds between have-map exchanges with each peer
 MAX_PEERS = 4096  # peers the learner's registry holds (peers are forgotten when they go silent)
 OWNER_GRACE = 2.0  # seconds a peer has to show it fetches a version before others take its learner share
 OWNER_SAID_NO = 2  # have-map answers "not fetching it" after which a peer's learner share is taken in its grace
+# chunk replies a node sends at once; more wait their turn. A chunk can be relayed only once all of it has
+# arrived, so k replies sharing an uplink each take k times longer to become useful to the swarm; two, not
+# one, so that the uplink does not idle between a reply and the next request (docs/benchmarks.md "Broadcast")
+UPLOAD_SLOTS = 2
 
 
 class VersionDropped(RemoteError):
@@ -87,7 +91,7 @@ class ChunkServer:
     A worker's store holds one form of each version (the delta it fetched, or the full snapshot it
     fetched or derived); the learner's also has `snapshots` beside its chain."""
 
-    def __init__(self, host: Host, store: ChunkStore, upload_slots: int | None = None) -> None:
+    def __init__(self, host: Host, store: ChunkStore, upload_slots: int | None = UPLOAD_SLOTS) -> None:
         self.host = host
         self.store = store
         self.snapshots: ChunkStore | None = None  # the learner's full snapshots beside the chain
@@ -190,8 +194,8 @@ class ChunkServer:
 class Seeder(ChunkServer):
     """The learner's side: holds whole versions and the registry of peers that joined."""
 
-    def __init__(self, host: Host, store: ChunkStore) -> None:
-        super().__init__(host, store)
+    def __init__(self, host: Host, store: ChunkStore, upload_slots: int | None = UPLOAD_SLOTS) -> None:
+        super().__init__(host, store, upload_slots)
         # on disk when the chain's store spills (only joiners and restarted workers ask for them), else in memory
         spill = store.spill_dir / "snapshots" if store.spill_dir is not None else None
         self.snapshots = ChunkStore(spill_dir=spill, memory_budget=0 if spill is not None else store.memory_budget)
@@ -231,8 +235,9 @@ class BroadcastPeer(ChunkServer):
         max_inflight: int = 6,
         per_peer_inflight: int = 2,
         use_peers: bool = True,
+        upload_slots: int | None = UPLOAD_SLOTS,
     ) -> None:
-        super().__init__(host, store)
+        super().__init__(host, store, upload_slots)
         self.use_peers = use_peers  # False: fetch from the learner only (the star baseline)
         self.learner_addr = learner
         self.learner = learner.rsplit("/p2p/", 1)[-1]

@@ -25,7 +25,22 @@ import numpy as np
 import zstandard
 
 ZSTD_LEVEL = 3
-DEFAULT_CHUNK = 1024 * 1024  # bytes; design: 1 to 4 MiB
+MIN_CHUNK, MAX_CHUNK = 256 * 1024, 4 * 1024 * 1024  # bytes
+CHUNKS_PER_VERSION = 128
+
+
+def chunk_size_for(payload_size: int) -> int:
+    """The largest power of two <= payload_size / CHUNKS_PER_VERSION, within [MIN_CHUNK, MAX_CHUNK].
+
+    Once the learner's last chunk of a version has left it, peers relay that chunk to the rest in a few
+    hops, each the time one chunk takes on a peer's uplink: smaller chunks shorten that tail, while every
+    chunk costs a request (a 64 MiB version in 512 KiB chunks, docs/benchmarks.md "Broadcast"). So a
+    version has 128 to 256 chunks, fewer only when they would be smaller than 256 KiB (a LoRA version of
+    4 MB: 16) or more when larger than 4 MiB (a 14 GB snapshot: 3,500)."""
+    size = MIN_CHUNK
+    while size < MAX_CHUNK and size * 2 * CHUNKS_PER_VERSION <= payload_size:
+        size *= 2
+    return size
 
 
 class CodecError(ValueError):
@@ -180,5 +195,7 @@ def decode_sparse(payload: bytes, raw_size: int, base_raw: bytes) -> bytearray:
     return out
 
 
-def split_chunks(payload: bytes, chunk_size: int = DEFAULT_CHUNK) -> list[bytes]:
+def split_chunks(payload: bytes, chunk_size: int | None = None) -> list[bytes]:
+    """`payload` cut into chunks of `chunk_size` bytes (None: chunk_size_for the payload)."""
+    chunk_size = chunk_size or chunk_size_for(len(payload))
     return [payload[i : i + chunk_size] for i in range(0, len(payload), chunk_size)] or [b""]

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from p2p.codec import (
-    DEFAULT_CHUNK,
     SPARSE_BELOW,
     CodecError,
     TensorEntry,
@@ -40,7 +39,7 @@ def build_version(
     tensors: Mapping[str, np.ndarray],
     dtypes: Mapping[str, str] | None = None,
     base: tuple[int, bytes] | None = None,
-    chunk_size: int = DEFAULT_CHUNK,
+    chunk_size: int | None = None,
     adapter_base: int | None = None,
 ) -> tuple[PolicyVersion, bytes]:
     """Encode `tensors` as a full snapshot, or as a delta against `base` = (base version, base raw bytes).
@@ -58,7 +57,7 @@ def build_from_raw(
     entries: list[TensorEntry],
     raw: bytes,
     base: tuple[int, bytes] | None = None,
-    chunk_size: int = DEFAULT_CHUNK,
+    chunk_size: int | None = None,
     adapter_base: int | None = None,
 ) -> PolicyVersion:
     """build_version for weights already laid out (`entries`, `raw`): e.g. a full snapshot of the raw

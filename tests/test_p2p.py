@@ -14,7 +14,7 @@ from libp2p.crypto.ed25519 import Ed25519PrivateKey
 
 import p2p.broadcast
 from p2p.broadcast import CHUNK, BroadcastPeer, ChunkServer, ChunkStore, Seeder, VersionDropped
-from p2p.codec import CodecError, bf16_bits, bf16_to_f32
+from p2p.codec import CodecError, bf16_bits, bf16_to_f32, chunk_size_for, split_chunks
 from p2p.host import (
     BadRequest,
     Host,
@@ -161,6 +161,18 @@ def test_plaintext_peer_is_refused(hosts):
     trio.run(dial)
     assert "error" in outcome, outcome
     assert ours.connected_peers() == []
+
+
+def test_a_version_is_cut_into_about_128_chunks_of_256_kib_to_4_mib():
+    kib, mib = 1024, 1024 * 1024
+    assert chunk_size_for(0) == chunk_size_for(4 * 10**6) == 256 * kib  # a LoRA version: 16 chunks
+    assert chunk_size_for(64 * mib + 100) == 512 * kib  # the broadcast bench: 129 chunks
+    assert chunk_size_for(227 * 10**6) == 1 * mib  # the demo's full snapshot
+    assert chunk_size_for(14 * 10**9) == 4 * mib  # a 7B model's: never above 4 MiB
+    payload = bytes(range(256)) * 4097  # 1,048,832 bytes: the last chunk is the short one
+    chunks = split_chunks(payload)
+    assert [len(c) for c in chunks] == [256 * kib] * 4 + [256] and b"".join(chunks) == payload
+    assert split_chunks(b"") == [b""]
 
 
 def test_codec_round_trip_and_delta_size():

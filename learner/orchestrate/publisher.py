@@ -9,7 +9,6 @@ import torch
 
 from learner.train.wire_weights import wire_dtypes, wire_tensors
 from p2p.broadcast import Seeder
-from p2p.codec import DEFAULT_CHUNK
 from p2p.host import Host
 from p2p.manifest import Manifest
 from p2p.versions import PolicyVersion, build_from_raw, build_version
@@ -72,7 +71,7 @@ class Publisher:
         seeder: Seeder,
         run_id: str,
         full_every: int,
-        chunk_size: int = DEFAULT_CHUNK,
+        chunk_size: int | None = None,
         dtype: str = "f16",
         lora: bool = False,
         topk: float = 1.0,
