@@ -1,30 +1,38 @@
 """A worker's rollouts per second while new policy versions keep arriving, against no new versions.
 
-    .venv/bin/python scripts/bench_overlap.py [--period 15] [--seconds 90] [--rounds 2] [--wire f16] [--topk 1]
-        [--lora-rank 0] [--json]
+    .venv/bin/python scripts/bench_overlap.py [--period 15] [--seconds 90] [--rounds 2] [--learner-up MBIT]
+        [--wire f16] [--topk 1] [--lora-rank 0] [--lr 2e-5] [--json]
 
-First `--versions` real GRPO steps (SmolLM2-135M on arithmetic, sampled by llama.cpp, the demo's
-learning rate) are trained and encoded as the learner's Publisher does (`--wire` f16 or bf16, `--topk`
-share of each matrix's changes; deltas, signed; or with `--lora-rank r`, rank-r adapters trained at
-`--lr` and versions that carry only them after v0). Then
-the same worker pipeline runs in three modes, interleaved for `--rounds` rounds of `--seconds` each
-(side by side, so the machine's noise hits all three alike):
+First seconds / period + 1 real GRPO steps (SmolLM2-135M on arithmetic, sampled by llama.cpp) are
+trained at `--lr` and encoded as the learner's Publisher does (`--wire` f16 or bf16, `--topk` share of
+each matrix's changes; deltas, signed; or with `--lora-rank r`, rank-r adapters and versions that carry
+only them after v0). Then the same worker pipeline runs in three modes, interleaved for `--rounds`
+rounds of `--seconds` each, each round starting with another mode (side by side, so the machine's
+noise hits all three alike):
 
     static      no new version: the worker generates leases back to back with v0
     overlap     a new version is announced every `--period` seconds; the worker's fetcher
                 (worker/fetcher.py) syncs it over libp2p and stages it in the engine while the engine
                 generates, and the worker installs it between leases (the daemon's default)
-    sequential  the same stream; before each lease the worker waits until it holds the newest
-                version (the daemon with --no-overlap, and every worker before #17)
+    sequential  the same stream; before each lease the worker waits until it holds the newest version
+                (the daemon with --no-overlap; its fetcher still runs during a lease, so it waits for
+                what is left of the fetch when the lease ends, where before #17 it waited for all of it)
 
 `--learner-up` caps the learner host's upload (a token bucket, as `bench broadcast` does), so a
-version takes the time a real link needs; without it the transfer is loopback, bound by CPU.
+version takes the time a real link needs; without it the transfer is loopback, bound by CPU. Each
+segment starts a fresh learner host and worker; the worker's chunk store already holds v0 (as a
+worker that followed the run would), so only the versions under test cross the link.
 
-A lease is 4 prompt groups x 8 completions of up to 48 tokens (the demo's shape). The learner side is
-a real Seeder on another libp2p host of this process; versions are encoded before the timed part, so
-encoding costs the worker's CPU nothing (on a real swarm the learner is another machine). Reported:
-rollouts/s per mode, overlap and sequential as a share of static, versions installed, and the seconds
-from seeing a version announced to having it staged (the worker's part of B).
+A lease is 4 prompt groups x 8 completions of 48 tokens (the demo's shape), end-of-sequence ignored:
+a lease is the same work whatever the policy answers, so a version that learned to answer shorter does
+not pass for a faster worker (with EOS, rollouts/s rose with the trained versions and tokens/s fell).
+The learner side is a real Seeder on another libp2p host of this process; versions are encoded before
+the timed part, so encoding costs the worker's CPU nothing (on a real swarm the learner is another
+machine; serving them here does cost this process some). Reported: rollouts/s per mode, overlap and
+sequential as a share of static (the mean over rounds of each round's ratio, with its standard error),
+versions installed, the seconds from seeing a version announced to having it staged (the worker's part
+of B), and the worker's CPU seconds per version on its fetcher and libp2p threads (what a version takes
+from generation on a machine whose cores all generate).
 """
 
 from __future__ import annotations
@@ -98,7 +106,11 @@ def run_mode(mode: str, versions: list[PolicyVersion], signer: Host, engine: Lla
     seeder = Seeder(learner_host, ChunkStore(memory_budget=2 << 30))
     seeder.publish(versions[0])
     worker_host = Host().start()
-    peer = BroadcastPeer(worker_host, ChunkStore(memory_budget=2 << 30), learner_host.addrs[0])
+    # the worker had v0 (its fetcher finds every chunk already held): only the versions under test
+    # cross the capped link, not the 227 MB base before the clock starts
+    store = ChunkStore(memory_budget=2 << 30)
+    store.add_version(versions[0])
+    peer = BroadcastPeer(worker_host, store, learner_host.addrs[0])
     peer.join()
     running = {"version": -1}
     announced_at: dict[int, float] = {0: time.monotonic()}
@@ -114,6 +126,7 @@ def run_mode(mode: str, versions: list[PolicyVersion], signer: Host, engine: Lla
         staged = fetcher.take()
         if staged is not None:
             engine.install(staged.engine_state)
+            engine.eos_ids = set()  # every completion runs to the token limit: see the module docstring
             running["version"] = staged.version
             if staged.version > 0:
                 installs["count"] += 1
@@ -136,7 +149,9 @@ def run_mode(mode: str, versions: list[PolicyVersion], signer: Host, engine: Lla
     if mode != "static":
         announcer.start()
     params = SamplingParams(1.0, 1.0, 48, 0)
-    rollouts, lease = 0, 0
+    version_threads = [fetcher._thread, worker_host._thread]  # the worker's CPU for versions (not generating)
+    cpu0 = [thread_cpu_s(t) for t in version_threads]
+    rollouts, tokens, lease = 0, 0, 0
     t0 = time.monotonic()
     while time.monotonic() - t0 < seconds:
         if mode == "sequential":
@@ -149,7 +164,9 @@ def run_mode(mode: str, versions: list[PolicyVersion], signer: Host, engine: Lla
         requests = [GenerationRequest(p, 8, lease * 4 + k) for k, p in enumerate(prompts)]
         groups = engine.generate(requests, SamplingParams(params.temperature, params.top_p, 48, lease))
         rollouts += sum(len(g) for g in groups)
+        tokens += sum(len(c.tokens) for g in groups for c in g)
     elapsed = time.monotonic() - t0
+    version_cpu = sum(thread_cpu_s(t) - c for t, c in zip(version_threads, cpu0, strict=True))
     stop.set()
     fetcher.stop()
     worker_host.stop()
@@ -157,10 +174,18 @@ def run_mode(mode: str, versions: list[PolicyVersion], signer: Host, engine: Lla
     return {
         "mode": mode,
         "rollouts_per_s": round(rollouts / elapsed, 3),
+        "tokens_per_s": round(tokens / elapsed, 1),
+        "tokens_per_rollout": round(tokens / max(rollouts, 1), 1),
         "versions_announced": len(announced_at) - 1,
         "versions_installed": installs["count"],
         "fetch_and_stage_s_median": round(statistics.median(staged_after), 2) if staged_after else None,
+        "worker_cpu_s_per_version": round(version_cpu / installs["count"], 2) if installs["count"] else None,
     }
+
+
+def thread_cpu_s(thread: threading.Thread) -> float:
+    """CPU seconds a running thread has used (Linux: its own clock)."""
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
 def main() -> None:
@@ -188,18 +213,28 @@ def main() -> None:
     prompts = [policy.render_prompt(task.sample(rng).prompt) for _ in range(4)]
     del policy
     engine = LlamaCppEngine(Path(tempfile.mkdtemp(prefix="echo-overlap-")), threads=args.threads, max_batch=32)
+    modes = ("static", "overlap", "sequential")
     segments = []
-    for _ in range(args.rounds):
-        for mode in ("static", "overlap", "sequential"):
+    for k in range(args.rounds):
+        for mode in modes[k % 3 :] + modes[: k % 3]:  # each round starts with another mode: no order bias
             segments.append(
                 run_mode(mode, versions, signer, engine, spec, prompts, args.seconds, args.period, args.learner_up)
             )
+            segments[-1]["round"] = k
             if not args.json:
                 print(json.dumps(segments[-1]), flush=True)
-    rate = {
-        m: statistics.mean(s["rollouts_per_s"] for s in segments if s["mode"] == m)
-        for m in ("static", "overlap", "sequential")
-    }
+
+    def mean_of(mode: str, key: str) -> float:
+        return statistics.mean(s[key] for s in segments if s["mode"] == mode)
+
+    def of_static(mode: str, key: str) -> dict[str, float]:
+        """The mode's rate as a share of the static rate of the same round: mean and standard error."""
+        by_round = {(s["round"], s["mode"]): s[key] for s in segments}
+        ratios = [by_round[k, mode] / by_round[k, "static"] for k in range(args.rounds)]
+        sem = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else None
+        return {"mean": round(statistics.mean(ratios), 3), "sem": round(sem, 3) if sem is not None else None}
+
+    cpu = [s["worker_cpu_s_per_version"] for s in segments if s["worker_cpu_s_per_version"] is not None]
     result = {
         **info,
         "delta_of_bf16_checkpoint": round(info["delta_bytes_mean"] / info["bf16_checkpoint_bytes"], 4),
@@ -212,9 +247,13 @@ def main() -> None:
         "topk": args.topk,
         "lora_rank": args.lora_rank,
         "lr": args.lr,
-        "rollouts_per_s": {m: round(r, 3) for m, r in rate.items()},
-        "overlap_of_static": round(rate["overlap"] / rate["static"], 3),
-        "sequential_of_static": round(rate["sequential"] / rate["static"], 3),
+        "rollouts_per_s": {m: round(mean_of(m, "rollouts_per_s"), 3) for m in modes},
+        "tokens_per_s": {m: round(mean_of(m, "tokens_per_s"), 1) for m in modes},
+        "overlap_of_static": of_static("overlap", "rollouts_per_s"),
+        "sequential_of_static": of_static("sequential", "rollouts_per_s"),
+        "overlap_tokens_of_static": of_static("overlap", "tokens_per_s"),
+        "sequential_tokens_of_static": of_static("sequential", "tokens_per_s"),
+        "worker_cpu_s_per_version": round(statistics.mean(cpu), 2) if cpu else None,
         "segments": segments,
     }
     print(json.dumps(result, indent=None if args.json else 1))
