@@ -365,8 +365,10 @@ def bench_broadcast(
         raise fail(f"--mode must be swarm or star, got {mode!r}")
     if peers < 1 or size <= 0 or learner_up <= 0 or peer_up <= 0:
         raise fail("--peers >= 1, --size > 0, --learner-up > 0 and --peer-up > 0 are required")
-    if chunk_mib and not 0.25 <= chunk_mib <= 4 or (upload_slots or 0) < 0:
-        raise fail(f"--chunk-mib must be 0 or 0.25 to 4 (got {chunk_mib}) and --upload-slots >= 0 (got {upload_slots})")
+    if chunk_mib and not 0.25 <= chunk_mib <= 4:
+        raise fail(f"--chunk-mib must be 0 (the learner's own) or 0.25 to 4, got {chunk_mib}")
+    if upload_slots is not None and upload_slots < 0:
+        raise fail(f"--upload-slots must be >= 0 (0: all at once), got {upload_slots}")
     result = run_broadcast_bench(peers, size, learner_up, peer_up, peer_down or None, mode, chunk_mib, upload_slots)
     if json_out:
         print(json.dumps(result))

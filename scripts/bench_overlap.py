@@ -149,7 +149,9 @@ def run_mode(mode: str, versions: list[PolicyVersion], signer: Host, engine: Lla
     if mode != "static":
         announcer.start()
     params = SamplingParams(1.0, 1.0, 48, 0)
-    version_threads = [fetcher._thread, worker_host._thread]  # the worker's CPU for versions (not generating)
+    # the worker's CPU for versions, not generating: its fetcher's thread and its libp2p host's (by name)
+    version_threads = [t for t in threading.enumerate() if t.name in ("fetcher", f"p2p-{worker_host.peer_id[-6:]}")]
+    assert len(version_threads) == 2, [t.name for t in threading.enumerate()]
     cpu0 = [thread_cpu_s(t) for t in version_threads]
     rollouts, tokens, lease = 0, 0, 0
     t0 = time.monotonic()
