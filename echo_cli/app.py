@@ -350,12 +350,8 @@ def bench_broadcast(
     peer_up: float = typer.Option(20, "--peer-up", help="Peer upload cap, Mbit/s."),
     peer_down: float = typer.Option(0, "--peer-down", help="Peer download cap, Mbit/s (0 = none)."),
     mode: str = typer.Option("swarm", "--mode", help="swarm (peer-assisted) or star (learner to each peer)."),
-    chunk_mib: float = typer.Option(
-        0.0, "--chunk-mib", help="Chunk size in MiB, 0.25 to 4 (0: the learner's own, about 128 chunks a version)."
-    ),
-    upload_slots: int | None = typer.Option(
-        None, "--upload-slots", help="Chunk replies each node sends at once (0: all; default: the nodes' own, 2)."
-    ),
+    chunk_mib: float = typer.Option(0.0, "--chunk-mib", help="Chunk MiB, 0.25 to 4 (0: the learner's own)."),
+    upload_slots: int | None = typer.Option(None, "--upload-slots", help="Chunk replies sent at once (0: all)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Seconds until N peer processes hold a verified version, against star and the bound T_min."""
