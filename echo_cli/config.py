@@ -108,14 +108,19 @@ def load_config(root_cls: type, path: str | Path | None, overrides: dict[str, An
     data: dict[str, Any] = {}
     if path is not None:
         data = read_toml(path, "config file")
+    return build_config(root_cls, data, overrides, path)
+
+
+def build_config(root_cls: type, data: dict[str, Any], overrides: dict[str, Any], source: object) -> Any:
+    """Defaults, then `data` ({table: {key: value}}, read from `source`), then overrides; validated."""
     tables = sections(root_cls)
     unknown = sorted(set(data) - set(tables))
     if unknown:
-        raise ConfigError(f"unknown table [{unknown[0]}] in {path}; allowed: {', '.join(tables)}")
+        raise ConfigError(f"unknown table [{unknown[0]}] in {source}; allowed: {', '.join(tables)}")
     built = {}
     for name, cls in tables.items():
         hints = typing.get_type_hints(cls)
-        values = table_values(cls, data.get(name, {}), name, path)
+        values = table_values(cls, data.get(name, {}), name, source)
         for key, value in overrides.items():
             if key in hints and value is not None:
                 values[key] = _coerce(f"{name}.{key} (--{key.replace('_', '-')})", value, hints[key])

@@ -20,8 +20,15 @@ def step_line(m: dict, total: int) -> str:
     line = f"step {m['step']}/{total} reward {m['reward_mean']:.3f} acc {m['accuracy']:.2f} loss {m['loss']:.4f}"
     line += f" kl {m['kl']:.4f} train {m['seconds']['train']:.1f}s"
     if "workers" in m:
-        return line + f" wait {m['seconds']['wait']:.1f}s util {m['utilisation']:.0%} buffer {m['buffer']}"
-    return line + f" gen {m['seconds']['generate']:.1f}s ({m['gen_tokens_per_s']:.0f} tok/s)"
+        line += f" wait {m['seconds']['wait']:.1f}s util {m['utilisation']:.0%} buffer {m['buffer']}"
+    else:
+        line += f" gen {m['seconds']['generate']:.1f}s ({m['gen_tokens_per_s']:.0f} tok/s)"
+    return line + (f"; held-out {held_out(m['eval'])}" if "eval" in m else "")
+
+
+def held_out(e: dict) -> str:
+    """A step's held-out evaluation in a few words (learner.evaluation)."""
+    return f"acc {e['accuracy']:.2f} pass@{e['k']} {e['pass_at_k']:.2f} reward {e['reward_mean']:.3f}"
 
 
 def learner_table(m: dict, rewards: deque[float]) -> Table:
@@ -31,6 +38,8 @@ def learner_table(m: dict, rewards: deque[float]) -> Table:
     table.add_row("accuracy", f"{m['accuracy']:.2f}   completion {m['completion_len_mean']:.1f} tokens")
     table.add_row("loss / kl", f"{m['loss']:.4f} / {m['kl']:.4f}   clipped {m['clip_frac']:.1%}")
     table.add_row("utilisation", f"{m['utilisation']:.0%}   train {m['seconds']['train']:.1f}s per step")
+    if "eval" in m:
+        table.add_row("held-out", f"{held_out(m['eval'])}   ({m['eval']['prompts']} prompts, step {m['step']})")
     if "workers" not in m:
         table.add_row("generation", f"{m['gen_tokens_per_s']:.0f} tok/s, {m['seconds']['generate']:.1f}s per step")
         return table

@@ -14,6 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from learner.config import LearnerConfig
+from learner.evaluation import Evaluator, eval_task
 from learner.orchestrate.rollouts import Rollout, has_signal, score_groups, step_seed
 from learner.run import Phases, batch_metrics, open_run
 from learner.train.models import model_spec
@@ -33,10 +34,14 @@ class Sampler(Protocol):
 
 def train_colocated(cfg: LearnerConfig, engine: Sampler, resume: bool = False) -> Iterator[dict]:
     """Run (or resume) a co-located GRPO run; yields each step's metrics after it is written."""
+    every = cfg.eval.eval_every
+    held_out = eval_task(cfg) if every else None  # a bad evaluation task fails before the model loads
     run = open_run(cfg, resume)
     policy, task, trainer = run.policy, run.task, run.trainer
     spec = model_spec(policy)
     engine.load_policy(spec, wire_tensors(policy.model))
+    evaluator = Evaluator.for_run(cfg, policy, held_out) if held_out else None
+    initial = evaluator.evaluate(engine) if evaluator and run.start_step == 0 else None  # version 0, the baseline
     t_run = time.perf_counter() - run.wall_offset
     for step in range(run.start_step + 1, cfg.run.steps + 1):
         phases = Phases(run.world.device)  # seconds and peak memory of generate, score, train, export
@@ -77,6 +82,11 @@ def train_colocated(cfg: LearnerConfig, engine: Sampler, resume: bool = False) -
                 engine.load_adapters(spec, wire_tensors(policy.model, adapter_only=True))
             elif stats["trained_tokens"]:
                 engine.load_policy(spec, wire_tensors(policy.model))
+        # 6. held-out evaluation of the new version (the checkpoint of this step holds the same weights)
+        evaluation = None
+        if evaluator and (step % every == 0 or step == cfg.run.steps):
+            with phases("eval"):
+                evaluation = evaluator.evaluate(engine)
         seconds = phases.seconds
 
         record = {
@@ -88,5 +98,9 @@ def train_colocated(cfg: LearnerConfig, engine: Sampler, resume: bool = False) -
             "seconds": {k: round(v, 4) for k, v in seconds.items()},
             "memory_gib": phases.memory(run),
         }
+        if initial is not None and step == 1:
+            record["eval_initial"] = initial
+        if evaluation is not None:
+            record["eval"] = evaluation
         run.record(step, record)
         yield record

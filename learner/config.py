@@ -268,6 +268,32 @@ class SwarmConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Evaluation on held-out problems during training (learner.evaluation)."""
+
+    eval_every: int = 0
+    """Evaluate the policy every this many steps, before training and after the last step too (0 = never)."""
+    eval_task: str = ""
+    """Task to evaluate on: "" (the training task's held-out split), another generated task's, or jsonl:PATH."""
+    eval_task_args: dict = field(default_factory=dict)
+    """Knobs of --eval-task (e.g. max_value=99 to test beyond the training range); "" eval task: the training task's."""
+    eval_prompts: int = 64
+    """Held-out prompts per evaluation, the same ones every time."""
+    eval_samples: int = 4
+    """k of pass@k: completions sampled per prompt at the sampler's temperature (besides one greedy completion)."""
+
+    def validate(self) -> None:
+        require(self.eval_every >= 0, "eval.eval_every", f"must be >= 0 (0: no evaluation), got {self.eval_every}")
+        require(self.eval_prompts >= 1, "eval.eval_prompts", f"must be >= 1, got {self.eval_prompts}")
+        require(self.eval_samples >= 1, "eval.eval_samples", f"must be >= 1, got {self.eval_samples}")
+        require(
+            not self.eval_task_args or bool(self.eval_task),
+            "eval.eval_task_args",
+            "needs --eval-task (the training task's held-out split uses the training task's args)",
+        )
+
+
+@dataclass
 class LearnerConfig:
     """A whole training run: one table per component."""
 
@@ -277,9 +303,10 @@ class LearnerConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> None:
-        for section in (self.run, self.model, self.task, self.grpo, self.sampler, self.swarm):
+        for section in (self.run, self.model, self.task, self.grpo, self.sampler, self.swarm, self.eval):
             section.validate()
         require(
             self.sampler.max_batch >= self.grpo.group_size,

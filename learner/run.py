@@ -22,6 +22,7 @@ import torch
 from learner.config import LearnerConfig
 from learner.orchestrate.rollouts import Rollout, has_signal
 from learner.tasks import Task, make_task
+from learner.tasks.split import split_task
 from learner.train.checkpoint import list_checkpoints, load_trainer_state, load_weights, save_checkpoint
 from learner.train.data_parallel import World, shard
 from learner.train.devices import (
@@ -34,8 +35,7 @@ from learner.train.devices import (
     resolve_device,
     training_state_gib,
 )
-from learner.train.lora import add_lora
-from learner.train.models import Policy, load_policy
+from learner.train.models import Policy, load_run_policy
 from learner.train.trainer import GRPOTrainer, frozen_copy
 from p2p.config import ConfigError
 
@@ -99,12 +99,9 @@ def open_run(cfg: LearnerConfig, resume: bool, world: World | None = None) -> Ru
         raise ConfigError(f"{run_dir} already holds a run: pass --resume to continue it or choose another --run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    policy = load_policy(cfg.model.model, cfg.model.cache_dir, cfg.run.seed)
-    if cfg.model.lora_rank:
-        add_lora(policy.model, cfg.model.lora_rank, cfg.model.lora_alpha)
-        policy.lora_rank, policy.lora_alpha = cfg.model.lora_rank, cfg.model.lora_alpha
+    policy = load_run_policy(cfg.model, cfg.run.seed)
     policy.model.to(world.device)
-    task = make_task(cfg.task.task, cfg.task.task_args)
+    task = split_task(make_task(cfg.task.task, cfg.task.task_args), "train")  # held-out problems are for evaluation
     if world.size > 1 and cfg.grpo.beta > 0:
         raise ConfigError("grpo.beta > 0 (a reference model) is not supported with several ranks yet: use beta = 0")
     # the KL anchor is the initial policy, so it is copied before a checkpoint's weights are loaded

@@ -53,7 +53,7 @@ def is_adapter(name: str) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample completions: temperature > 0, nucleus top_p, a token budget and a seed."""
+    """How to sample completions: temperature (0: greedy, for evaluation), nucleus top_p, a token budget, a seed."""
 
     temperature: float = 1.0
     top_p: float = 1.0

@@ -163,6 +163,6 @@ def test_help_shows_tables_types_and_defaults():
     top = run_cli("--help", columns=200).stdout
     order = [
         top.index(f"│ {name} ")
-        for name in ("learner", "worker", "status", "report", "plan", "simulate", "bench", "secret")
+        for name in ("learner", "worker", "status", "report", "eval", "export", "plan", "simulate", "bench", "secret")
     ]
     assert order == sorted(order), top

@@ -51,3 +51,10 @@ def test_draws_depend_only_on_their_key():
     assert a not in others and len(others) == 4
     u = uniforms(7, [(g, c, p) for g in range(10) for c in range(10) for p in range(100)])
     assert 0 < u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.01  # 10,000 draws, sd of the mean 0.003
+
+
+def test_temperature_zero_is_greedy():
+    """Evaluation's greedy completions: the most likely token whatever the draw, with logprob 0."""
+    logits = np.random.default_rng(1).normal(size=(8, 40)).astype(np.float32)
+    tokens, logprobs = sample_next(logits, 0.0, 1.0, draws(8))
+    assert tokens.tolist() == logits.argmax(axis=1).tolist() and not logprobs.any()

@@ -167,3 +167,27 @@ def test_no_reward_raises_on_any_text(text, name):
 @given(text=st.text(alphabet="0123456789+-*/()x= .\nUDLR", max_size=300), name=st.sampled_from(ALL))
 def test_no_reward_raises_on_expression_like_text(text, name):
     assert make_task(name).reward(text, ANSWERS[name]) in (0.0, 1.0)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_training_never_draws_a_held_out_problem(name):
+    """The held-out split (by prompt hash) is disjoint from what training samples, and about 10% of problems."""
+    from learner.tasks.split import held_out, split_task
+
+    task = make_task(name)
+    rng = random.Random(3)
+    everything = [task.sample(rng) for _ in range(400)]
+    share = sum(map(held_out, everything)) / len(everything)
+    assert 0.03 < share < 0.2
+    train, evaluation = split_task(task, "train"), split_task(task, "held_out")
+    assert not any(held_out(train.sample(rng)) for _ in range(200))
+    assert all(held_out(evaluation.sample(rng)) for _ in range(20))
+    assert split_task(make_task("arithmetic"), "all").name == "arithmetic"
+
+
+def test_a_task_too_small_for_a_split_says_so():
+    from learner.tasks.split import split_task
+
+    tiny = split_task(make_task("arithmetic", {"max_value": 0, "ops": "+"}), "held_out")  # one problem: 0 + 0
+    with pytest.raises(TaskError, match="too few distinct problems"):
+        tiny.sample(random.Random(0))

@@ -14,7 +14,10 @@ def sample_next(logits: np.ndarray, temperature: float, top_p: float, u: np.ndar
     The distribution is p = softmax(logits / temperature), restricted to the smallest set of most
     likely tokens whose mass reaches top_p and renormalised. The token is p's inverse CDF at u in
     token-id order (p2p.draws); the returned logprob is log p(token) under that final distribution.
+    temperature 0 is greedy decoding (evaluation): the most likely token, logprob 0 (it had probability 1).
     """
+    if temperature == 0:
+        return logits.argmax(axis=1).astype(np.int64), np.zeros(len(logits))
     z = logits.astype(np.float64, copy=False) / temperature  # [n, V]
     z = z - z.max(axis=1, keepdims=True)
     logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))  # [n, V] log-softmax

@@ -33,7 +33,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 
 class CheckpointError(Exception):
-    """A checkpoint could not be written (the older ones are untouched); the message says what to do."""
+    """A checkpoint could not be written (the older ones are untouched) or found; the message says what to do."""
 
 
 def save_checkpoint(
@@ -75,6 +75,23 @@ def save_checkpoint(
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old)
     return final
+
+
+def find_checkpoint(target: Path, step: int | None = None) -> Path:
+    """A checkpoint folder from a run directory (its newest, or the one of `step`) or a checkpoint folder."""
+    if (target / "state.json").is_file() and (target / "model.safetensors").is_file():
+        if step is not None and json.loads((target / "state.json").read_text())["step"] != step:
+            raise CheckpointError(f"{target} is the checkpoint of another step: pass its run directory with --step")
+        return target
+    found = list_checkpoints(target)
+    if not found:
+        raise CheckpointError(f"{target} holds no checkpoint: pass a run directory or a checkpoints/step-N folder")
+    if step is None:
+        return found[-1]
+    by_step = {int(p.name.removeprefix("step-")): p for p in found}
+    if step not in by_step:
+        raise CheckpointError(f"{target} has no checkpoint of step {step}; it keeps steps {sorted(by_step)}")
+    return by_step[step]
 
 
 def load_weights(path: Path, model: torch.nn.Module) -> dict[str, Any]:

@@ -16,6 +16,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from learner.config import ModelConfig
+from learner.train.lora import add_lora
 from p2p.messages import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,15 @@ class Policy:
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def load_run_policy(cfg: ModelConfig, seed: int) -> Policy:
+    """A run's policy before training: `--model`, with LoRA adapters (zero at start) when lora_rank > 0."""
+    policy = load_policy(cfg.model, cfg.cache_dir, seed)
+    if cfg.lora_rank:
+        add_lora(policy.model, cfg.lora_rank, cfg.lora_alpha)
+        policy.lora_rank, policy.lora_alpha = cfg.lora_rank, cfg.lora_alpha
+    return policy
 
 
 def load_policy(name: str, cache_dir: str | Path, seed: int = 0) -> Policy:

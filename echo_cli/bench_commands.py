@@ -1,0 +1,147 @@
+"""`echo-rl bench ...`: benchmarks that print measured figures (their work is in echo_cli.bench*)."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from echo_cli.terminal import console, fail, setup_logging, user_errors
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print measured figures.")
+
+
+@bench_app.command("sampler")
+def bench_sampler(
+    model: str = typer.Option("smollm2-135m", "--model", help="Model name or path (as for learner start)."),
+    prompts: int = typer.Option(8, "--prompts", help="Distinct prompts."),
+    group_size: int = typer.Option(4, "--group-size", help="Completions per prompt."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Completion length limit."),
+    threads: int = typer.Option(2, "--threads", help="CPU threads for both samplers."),
+    max_batch: int = typer.Option(32, "--max-batch", help="Sequences our sampler decodes together."),
+    cache_dir: str = typer.Option("~/.cache/echo-rl", "--cache-dir", help="Model cache."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+) -> None:
+    """Our batched llama.cpp sampler (with logprobs) vs llama-cpp-python's create_completion (without)."""
+    setup_logging()
+    from echo_cli.bench import run_sampler_bench
+
+    try:
+        run_sampler_bench(model, prompts, group_size, max_new_tokens, threads, max_batch, cache_dir, json_out)
+    except user_errors() as exc:
+        raise fail(str(exc)) from None
+
+
+@bench_app.command("engines")
+def bench_engines(
+    engines: str = typer.Option(
+        "llamacpp-cpu,llamacpp-gpu,transformers-cpu,transformers-cuda", "--engines",
+        help="Comma-separated: llamacpp-cpu, llamacpp-gpu, transformers-cpu, transformers-cuda.",
+    ),
+    model: str = typer.Option("smollm2-135m", "--model", help="Model name or path (as for learner start)."),
+    prompts: int = typer.Option(8, "--prompts", help="Distinct prompts."),
+    group_size: int = typer.Option(8, "--group-size", help="Completions per prompt."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Completion length limit."),
+    threads: int = typer.Option(2, "--threads", help="CPU threads."),
+    max_batch: int = typer.Option(32, "--max-batch", help="Sequences decoded together."),
+    cache_dir: str = typer.Option("~/.cache/echo-rl", "--cache-dir", help="Model cache."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:  # fmt: skip
+    """Worker tokens/s per engine: llama.cpp on CPU and GPU, transformers on CPU and CUDA, same prompts."""
+    setup_logging()
+    from echo_cli.bench import run_engines_bench
+
+    try:
+        run_engines_bench(
+            engines.split(","), model, prompts, group_size, max_new_tokens, threads, max_batch, cache_dir, json_out
+        )
+    except user_errors() as exc:
+        raise fail(str(exc)) from None
+
+
+@bench_app.command("verify")
+def bench_verify(
+    model: str = typer.Option("smollm2-135m", "--model", help="smollm2-135m, tiny, or a local model."),
+    prompts: int = typer.Option(16, "--prompts", help="Prompt groups."),
+    group_size: int = typer.Option(8, "--group-size", help="Completions per prompt."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Token budget per completion."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
+    wire_dtype: str = typer.Option("f16", "--wire-dtype", help="f16 or bf16 published weights."),
+    threads: int = typer.Option(2, "--threads", help="CPU threads."),
+    cache_dir: str = typer.Option("~/.cache/echo-rl", "--cache-dir", help="Model cache."),
+    temperatures: str = typer.Option("1.0", "--temperatures", help="Comma-separated sampling temperatures."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Calibrate rollout verification: honest llama.cpp rollouts against forged logprobs and unsampled text."""
+    setup_logging()
+    from echo_cli.bench import run_verify_bench
+
+    if wire_dtype not in ("f16", "bf16") or not 0 < top_p <= 1:
+        raise fail("--wire-dtype must be f16 or bf16 and --top-p in (0, 1]")
+    try:
+        temps = [float(t) for t in temperatures.split(",")]
+    except ValueError:
+        raise fail(f"--temperatures must be numbers separated by commas, got {temperatures!r}") from None
+    if not temps or min(temps) <= 0:
+        raise fail(f"--temperatures must all be > 0, got {temperatures!r}")
+    try:
+        run_verify_bench(
+            model, prompts, group_size, max_new_tokens, top_p, wire_dtype, threads, cache_dir, json_out, temps
+        )
+    except user_errors() as exc:
+        raise fail(str(exc)) from None
+
+
+@bench_app.command("broadcast")
+def bench_broadcast(
+    peers: int = typer.Option(8, "--peers", help="Peer processes besides the learner."),
+    size: float = typer.Option(64, "--size", help="Version size in MB (random bits, so incompressible)."),
+    learner_up: float = typer.Option(20, "--learner-up", help="Learner upload cap, Mbit/s."),
+    peer_up: float = typer.Option(20, "--peer-up", help="Peer upload cap, Mbit/s."),
+    peer_down: float = typer.Option(0, "--peer-down", help="Peer download cap, Mbit/s (0 = none)."),
+    mode: str = typer.Option("swarm", "--mode", help="swarm (peer-assisted) or star (learner to each peer)."),
+    chunk_mib: float = typer.Option(0.0, "--chunk-mib", help="Chunk MiB, 0.25 to 4 (0: the learner's own)."),
+    upload_slots: int | None = typer.Option(None, "--upload-slots", help="Chunk replies sent at once (0: all)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Seconds until N peer processes hold a verified version, against star and the bound T_min."""
+    from echo_cli.bench_broadcast import run_broadcast_bench
+
+    if mode not in ("swarm", "star"):
+        raise fail(f"--mode must be swarm or star, got {mode!r}")
+    if peers < 1 or size <= 0 or learner_up <= 0 or peer_up <= 0:
+        raise fail("--peers >= 1, --size > 0, --learner-up > 0 and --peer-up > 0 are required")
+    if chunk_mib and not 0.25 <= chunk_mib <= 4:
+        raise fail(f"--chunk-mib must be 0 (the learner's own) or 0.25 to 4, got {chunk_mib}")
+    if upload_slots is not None and upload_slots < 0:
+        raise fail(f"--upload-slots must be >= 0 (0: all at once), got {upload_slots}")
+    result = run_broadcast_bench(peers, size, learner_up, peer_up, peer_down or None, mode, chunk_mib, upload_slots)
+    if json_out:
+        print(json.dumps(result))
+        return
+    for key, value in result.items():
+        console.print(f"{key:>26}: {value}")
+
+
+@bench_app.command("codec")
+def bench_codec(
+    model: str = typer.Option("smollm2-135m", "--model", help="Model name or path."),
+    lrs: str = typer.Option("1e-6,1e-5", "--lrs", help="Comma-separated learning rates."),
+    steps: int = typer.Option(10, "--steps", help="GRPO steps per learning rate."),
+    cache_dir: str = typer.Option("~/.cache/echo-rl", "--cache-dir", help="Model cache."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Bytes on the wire for bf16 XOR-delta versions after real GRPO steps, and codec seconds."""
+    setup_logging()
+    from echo_cli.bench import run_codec_bench
+
+    try:
+        rates = [float(x) for x in lrs.split(",") if x.strip()]
+    except ValueError:
+        raise fail(f"--lrs must be comma-separated numbers, got {lrs!r}") from None
+    if not rates or steps < 1:
+        raise fail("--lrs needs at least one rate and --steps must be >= 1")
+    try:
+        run_codec_bench(model, rates, steps, cache_dir, json_out)
+    except user_errors() as exc:
+        raise fail(str(exc)) from None

@@ -1,0 +1,140 @@
+"""Held-out evaluation: how well the current policy solves problems that training never draws.
+
+On n fixed held-out prompts (learner.tasks.split), one greedy completion and k sampled ones each:
+
+    accuracy    = 1/n sum_i [ r(greedy_i) >= 1 ]
+    pass_at_k   = 1/n sum_i [ max_j r(sample_ij) >= 1 ]      (k samples: the unbiased estimator
+                                                              1 - C(n-c, k) / C(n, k) with n = k)
+    reward_mean = mean of r over the n * k samples
+
+The prompts and the samples' random stream depend only on the run's seed, so every evaluation of a run
+(and `echo-rl eval` on its checkpoints) sees the same prompts and draws: differences between versions
+are the policy's, not the luck of the draw.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from learner.config import LearnerConfig
+from learner.orchestrate.rollouts import step_seed
+from learner.tasks import Problem, Task, make_task
+from learner.tasks.split import has_split, split_task
+from learner.train.checkpoint import load_weights
+from learner.train.grpo import clamp_reward
+from learner.train.models import Policy, load_run_policy, model_spec
+from learner.train.wire_weights import wire_tensors
+from p2p.config import ConfigError
+from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams
+
+log = logging.getLogger(__name__)
+
+PROMPT_STREAM, SAMPLE_STREAM = -1, -2  # step_seed indices of the evaluation's prompts and draws (steps are >= 1)
+MAX_DRAWS_PER_PROMPT = 20  # a small task or file may hold fewer distinct problems than eval_prompts
+
+
+class Generator(Protocol):
+    """What evaluation needs of an engine (worker.engines.*)."""
+
+    def load_policy(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None: ...
+
+    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]: ...
+
+
+def eval_task(cfg: LearnerConfig) -> Task:
+    """The task evaluation draws from: --eval-task's held-out split, else the training task's."""
+    if cfg.eval.eval_task:
+        return split_task(make_task(cfg.eval.eval_task, cfg.eval.eval_task_args), "held_out")
+    task = make_task(cfg.task.task, cfg.task.task_args)
+    if not has_split(task):
+        raise ConfigError(
+            f"--eval-every: task {task.name!r} has no held-out split (its file is all training data); "
+            "pass --eval-task jsonl:EVAL_PATH"
+        )
+    return split_task(task, "held_out")
+
+
+def held_out_problems(task: Task, n: int, seed: int) -> list[Problem]:
+    """Up to `n` distinct problems of `task`, a function of `seed` alone (fewer if the task has fewer)."""
+    rng = random.Random(step_seed(seed, PROMPT_STREAM))
+    problems: dict[str, Problem] = {}
+    for _ in range(n * MAX_DRAWS_PER_PROMPT):
+        problem = task.sample(rng)
+        problems.setdefault(problem.prompt, problem)
+        if len(problems) == n:
+            break
+    if len(problems) < n:
+        log.info("evaluation: the task holds only %d distinct held-out problems (asked for %d)", len(problems), n)
+    return list(problems.values())
+
+
+@dataclass
+class Evaluator:
+    """A run's held-out set and how to sample it; `evaluate(engine)` scores the engine's current policy."""
+
+    task: Task
+    policy: Policy  # renders prompts, decodes completions
+    problems: list[Problem]
+    samples: int  # k
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int
+
+    @classmethod
+    def for_run(cls, cfg: LearnerConfig, policy: Policy, task: Task | None = None) -> Evaluator:
+        """The evaluator of a run: `task` is eval_task(cfg) (made before the model loads, to fail fast)."""
+        task = task or eval_task(cfg)
+        problems = held_out_problems(task, cfg.eval.eval_prompts, cfg.run.seed)
+        sampler = cfg.sampler
+        return cls(
+            task, policy, problems, cfg.eval.eval_samples, sampler.temperature, sampler.top_p,
+            sampler.max_new_tokens, cfg.run.seed,
+        )  # fmt: skip
+
+    def evaluate(self, engine: Generator) -> dict:
+        """Greedy accuracy, pass@k and mean sampled reward of `engine`'s policy on the held-out prompts."""
+        tick = time.perf_counter()
+        prompts = [self.policy.render_prompt(p.prompt) for p in self.problems]
+        seed = step_seed(self.seed, SAMPLE_STREAM)
+        greedy = engine.generate(
+            [GenerationRequest(ids, 1, i) for i, ids in enumerate(prompts)],
+            SamplingParams(0.0, 1.0, self.max_new_tokens, seed),
+        )
+        sampled = engine.generate(
+            [GenerationRequest(ids, self.samples, i) for i, ids in enumerate(prompts)],
+            SamplingParams(self.temperature, self.top_p, self.max_new_tokens, seed),
+        )
+        greedy_rewards = [self._rewards(p, g)[0] for p, g in zip(self.problems, greedy, strict=True)]
+        sample_rewards = [self._rewards(p, g) for p, g in zip(self.problems, sampled, strict=True)]
+        n = len(self.problems)
+        return {
+            "task": self.task.name,
+            "prompts": n,
+            "k": self.samples,
+            "accuracy": sum(r >= 1.0 for r in greedy_rewards) / n,
+            "pass_at_k": sum(max(rs) >= 1.0 for rs in sample_rewards) / n,
+            "reward_mean": sum(map(sum, sample_rewards)) / (n * self.samples),
+            "greedy_reward_mean": sum(greedy_rewards) / n,
+            "greedy_len_mean": sum(len(g[0].tokens) for g in greedy) / n,
+            "seconds": round(time.perf_counter() - tick, 3),
+        }
+
+    def _rewards(self, problem: Problem, group: list[Completion]) -> list[float]:
+        return [clamp_reward(self.task.reward(self.policy.decode(c.tokens), problem.answer)) for c in group]
+
+
+def evaluate_checkpoint(cfg: LearnerConfig, checkpoint: Path, engine: Generator) -> dict:
+    """`echo-rl eval`: load a checkpoint's policy into `engine` as the run's sampler held it, and evaluate it."""
+    policy = load_run_policy(cfg.model, cfg.run.seed)
+    state = load_weights(checkpoint, policy.model)
+    engine.load_policy(model_spec(policy), wire_tensors(policy.model))
+    return {"step": state["step"], **Evaluator.for_run(cfg, policy).evaluate(engine)}
