@@ -15,7 +15,7 @@ from typer.core import TyperGroup
 from echo_cli.bench_commands import bench_app
 from echo_cli.config import load_config, with_config_flags
 from echo_cli.live import show_learner, show_worker
-from echo_cli.research import eval_command, export_command
+from echo_cli.research import eval_command, export_command, sampler_engine
 from echo_cli.terminal import console, fail, setup_logging, user_errors
 from learner.config import LearnerConfig
 from p2p.config import ConfigError
@@ -68,15 +68,8 @@ def learner_start(
             raise ConfigError("--colocated runs in one process: start it without torchrun")
         if colocated:
             from learner.colocated_loop import train_colocated
-            from worker.engines import make_engine
 
-            sampler = cfg.sampler
-            # the sampler on the learner's GPU too: llama.cpp offloads its layers, transformers runs on --device
-            engine = make_engine(
-                sampler.engine, Path(cfg.run.run_dir) / "sampler", sampler.threads, sampler.max_batch,
-                sampler.gpu_layers, cfg.model.device,
-            )  # fmt: skip
-            steps = train_colocated(cfg, engine, resume=resume)
+            steps = train_colocated(cfg, sampler_engine(cfg, Path(cfg.run.run_dir) / "sampler"), resume=resume)
         else:
             from learner.swarm_loop import train_distributed
 
@@ -151,16 +144,20 @@ def status(
 
 @app.command("report")
 def report(
-    run_dir: Path = typer.Argument(..., help="A run directory (holds metrics.jsonl)."),
+    run_dirs: list[Path] = typer.Argument(..., help="Run directories (each holds metrics.jsonl); several: compared."),
     out: Path | None = typer.Option(None, "--out", help="Folder for the PNGs (default RUN_DIR/report)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary and file list as one JSON object."),
 ) -> None:
-    """Plot a run (reward, utilisation, staleness, version lag, broadcast times) and summarize it."""
-    from echo_cli.report import ReportError
+    """Plot a run (reward, held-out evaluation, utilisation, staleness, version lag, broadcast times) and
+    summarize it; with several runs, overlay their curves and put their summaries side by side."""
+    from echo_cli.report import ReportError, compare
     from echo_cli.report import report as write_report
 
     try:
-        write_report(run_dir, out, json_out)
+        if len(run_dirs) > 1:
+            compare(run_dirs, out, json_out)
+        else:
+            write_report(run_dirs[0], out, json_out)
     except ReportError as exc:
         raise fail(str(exc)) from None
     except ImportError as exc:

@@ -1,7 +1,8 @@
-"""`echo-rl report RUN_DIR`: PNG plots and a summary table from a run's metrics.jsonl.
+"""`echo-rl report RUN_DIR [RUN_DIR ...]`: PNG plots and a summary table from runs' metrics.jsonl.
 
 Works on finished and running runs alike, co-located or swarm: plots whose metrics a run does not
-have (staleness, version lag and broadcast times exist only in swarm runs) are skipped and named.
+have (staleness, version lag and broadcast times exist only in swarm runs, held-out evaluation only with
+--eval-every) are skipped and named. Several runs: their curves overlaid and their summaries side by side.
 """
 
 from __future__ import annotations
@@ -79,6 +80,14 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "accuracy_last10": round(mean([r["accuracy"] for r in rows[-10:]]), 3),
         "completion_len_last10": round(mean([r["completion_len_mean"] for r in rows[-10:]]), 1),
     }
+    evals = evaluations(rows)
+    if evals:
+        summary |= {
+            "eval_task": evals[-1][1]["task"],
+            "eval_accuracy_first": round(evals[0][1]["accuracy"], 3),
+            "eval_accuracy_last": round(evals[-1][1]["accuracy"], 3),
+            f"eval_pass@{evals[-1][1]['k']}_last": round(evals[-1][1]["pass_at_k"], 3),
+        }
     if summary["mode"] == "swarm":
         summary |= {
             "staleness": {str(k): stale[k] for k in sorted(stale)},
@@ -89,6 +98,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "version_mb_mean": round(mean(list(sizes.values())) / 1e6, 2) if sizes else None,
         }
     return summary
+
+
+def evaluations(rows: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """(step, held-out evaluation) of a run in order; the initial policy's is step 0."""
+    points = [(0, rows[0]["eval_initial"])] if "eval_initial" in rows[0] else []
+    return points + [(r["step"], r["eval"]) for r in rows if "eval" in r]
 
 
 def by_version(rows: list[dict[str, Any]], key: str) -> dict[int, float]:
@@ -136,6 +151,21 @@ def write_plots(rows: list[dict[str, Any]], out: Path) -> tuple[list[Path], list
     by_step.set_ylabel("mean over the step's rollouts")
     by_step.legend()
     save(fig, "reward.png")
+
+    evals = evaluations(rows)
+    if evals:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        eval_steps = [step for step, _ in evals]
+        ax.plot(eval_steps, [e["accuracy"] for _, e in evals], marker="o", label="greedy accuracy")
+        ax.plot(eval_steps, [e["pass_at_k"] for _, e in evals], marker=".", label=f"pass@{evals[-1][1]['k']}")
+        ax.plot(eval_steps, [e["reward_mean"] for _, e in evals], linestyle=":", label="mean sampled reward")
+        ax.set(xlabel="optimizer step", ylabel=f"held-out {evals[-1][1]['task']} ({evals[-1][1]['prompts']} prompts)")
+        ax.set_ylim(0, None)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        save(fig, "eval.png")
+    else:
+        skipped.append("eval.png: no held-out evaluation in this run (--eval-every)")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [100 * utilisation(r) for r in rows], color="tab:purple")
@@ -185,6 +215,44 @@ def write_plots(rows: list[dict[str, Any]], out: Path) -> tuple[list[Path], list
     return written, skipped
 
 
+def write_comparison(runs: dict[str, list[dict[str, Any]]], out: Path) -> list[Path]:
+    """Curves of several runs overlaid: reward by step and by wall time, held-out accuracy where evaluated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for name, rows in runs.items():
+        rewards = [r["reward_mean"] for r in rows]
+        smooth = [mean(rewards[max(0, i - 4) : i + 1]) for i in range(len(rewards))]  # trailing 5-step mean
+        by_step.plot([r["step"] for r in rows], smooth, label=name)
+        by_time.plot([r["wall_s"] / 60 for r in rows], smooth, label=name)
+    by_step.set(xlabel="optimizer step", ylabel="reward, 5-step mean")
+    by_time.set(xlabel="wall-clock minutes")
+    for ax in (by_step, by_time):
+        ax.grid(alpha=0.3)
+    by_step.legend(fontsize="small")
+    fig.tight_layout()
+    written = [out / "compare_reward.png"]
+    fig.savefig(written[0], dpi=110)
+    plt.close(fig)
+    evaluated = {name: evaluations(rows) for name, rows in runs.items() if evaluations(rows)}
+    if evaluated:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, evals in evaluated.items():
+            ax.plot([step for step, _ in evals], [e["accuracy"] for _, e in evals], marker="o", label=name)
+        ax.set(xlabel="optimizer step", ylabel="held-out greedy accuracy", ylim=(0, None))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        written.append(out / "compare_eval.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written
+
+
 def summary_table(run_dir: Path, summary: dict[str, Any]) -> Table:
     table = Table(title=f"run {run_dir}", show_header=False)
     for key, value in summary.items():
@@ -194,6 +262,34 @@ def summary_table(run_dir: Path, summary: dict[str, Any]) -> Table:
             value = ", ".join(f"{k}: {sum(v.values()) if isinstance(v, dict) else v}" for k, v in value.items()) or "-"
         table.add_row(key.replace("_", " "), "-" if value is None else str(value))
     return table
+
+
+def compare(run_dirs: list[Path], out: Path | None, as_json: bool) -> None:
+    """`echo-rl report RUN_A RUN_B ...`: curves overlaid in `out` (default RUN_A/report/compare), summaries side
+    by side."""
+    names = [str(d) for d in run_dirs]
+    if len(set(names)) < len(names):
+        raise ReportError("a run directory is named twice: pass each run once")
+    runs = {name: load_metrics(d) for name, d in zip(names, run_dirs, strict=True)}
+    summaries = {name: summarize(rows) for name, rows in runs.items()}
+    written = write_comparison(runs, out or run_dirs[0] / "report" / "compare")
+    if as_json:
+        print(json.dumps({"runs": summaries, "plots": [str(p) for p in written]}))
+        return
+    table = Table(title="runs compared")
+    table.add_column("")
+    for name in names:
+        table.add_column(name, overflow="fold")
+    keys = list(dict.fromkeys(k for s in summaries.values() for k in s if not isinstance(s[k], dict)))
+    for key in keys:
+        cells = [summaries[name].get(key) for name in names]
+        table.add_row(
+            key.replace("_", " "), *("-" if v is None else f"{v:g}" if isinstance(v, float) else str(v) for v in cells)
+        )
+    console = Console()
+    console.print(table)
+    for path in written:
+        console.print(f"wrote {path}")
 
 
 def report(run_dir: Path, out: Path | None, as_json: bool) -> None:

@@ -17,6 +17,7 @@ from learner.config import LearnerConfig
 from learner.evaluation import Evaluator, eval_task
 from learner.orchestrate.rollouts import Rollout, has_signal, score_groups, step_seed
 from learner.run import Phases, batch_metrics, open_run
+from learner.tasks import Task
 from learner.train.models import model_spec
 from learner.train.wire_weights import wire_tensors
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams
@@ -32,11 +33,14 @@ class Sampler(Protocol):
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]: ...
 
 
-def train_colocated(cfg: LearnerConfig, engine: Sampler, resume: bool = False) -> Iterator[dict]:
-    """Run (or resume) a co-located GRPO run; yields each step's metrics after it is written."""
+def train_colocated(
+    cfg: LearnerConfig, engine: Sampler, resume: bool = False, task: Task | None = None
+) -> Iterator[dict]:
+    """Run (or resume) a co-located GRPO run; yields each step's metrics after it is written. `task`: a task
+    object instead of cfg.task (the Python API's)."""
     every = cfg.eval.eval_every
-    held_out = eval_task(cfg) if every else None  # a bad evaluation task fails before the model loads
-    run = open_run(cfg, resume)
+    held_out = eval_task(cfg, task) if every else None  # a bad evaluation task fails before the model loads
+    run = open_run(cfg, resume, task=task)
     policy, task, trainer = run.policy, run.task, run.trainer
     spec = model_spec(policy)
     engine.load_policy(spec, wire_tensors(policy.model))

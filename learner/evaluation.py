@@ -49,11 +49,12 @@ class Generator(Protocol):
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]: ...
 
 
-def eval_task(cfg: LearnerConfig) -> Task:
-    """The task evaluation draws from: --eval-task's held-out split, else the training task's."""
+def eval_task(cfg: LearnerConfig, training_task: Task | None = None) -> Task:
+    """The task evaluation draws from: --eval-task's held-out split, else the training task's (`training_task`
+    if given, else cfg.task)."""
     if cfg.eval.eval_task:
         return split_task(make_task(cfg.eval.eval_task, cfg.eval.eval_task_args), "held_out")
-    task = make_task(cfg.task.task, cfg.task.task_args)
+    task = training_task or make_task(cfg.task.task, cfg.task.task_args)
     if not has_split(task):
         raise ConfigError(
             f"--eval-every: task {task.name!r} has no held-out split (its file is all training data); "

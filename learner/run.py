@@ -83,10 +83,11 @@ class Run:
         return False
 
 
-def open_run(cfg: LearnerConfig, resume: bool, world: World | None = None) -> Run:
+def open_run(cfg: LearnerConfig, resume: bool, world: World | None = None, task: Task | None = None) -> Run:
     """Load the policy and task onto this rank's device; on --resume restore the newest checkpoint. Never
     overwrites a run. With several ranks the model is sharded (learner.train.data_parallel) after its
-    weights are loaded. `world`: this process's rank and device (one process on --device if None)."""
+    weights are loaded. `world`: this process's rank and device (one process on --device if None). `task`:
+    a task object (the Python API's) instead of cfg.task."""
     world = world or World(device=resolve_device(cfg.model.device))
     torch.set_flush_denormal(True)
     bound_heap_growth(saving_memory=cfg.model.grad_checkpointing)
@@ -101,7 +102,7 @@ def open_run(cfg: LearnerConfig, resume: bool, world: World | None = None) -> Ru
 
     policy = load_run_policy(cfg.model, cfg.run.seed)
     policy.model.to(world.device)
-    task = split_task(make_task(cfg.task.task, cfg.task.task_args), "train")  # held-out problems are for evaluation
+    task = split_task(task or make_task(cfg.task.task, cfg.task.task_args), "train")  # held-out ones: evaluation
     if world.size > 1 and cfg.grpo.beta > 0:
         raise ConfigError("grpo.beta > 0 (a reference model) is not supported with several ranks yet: use beta = 0")
     # the KL anchor is the initial policy, so it is copied before a checkpoint's weights are loaded

@@ -1,8 +1,8 @@
 """The house rules of docs/design.md ("Code layout"), checked on every module's imports and length.
 
-Imports point one way: echo_cli -> learner, worker -> p2p; learner.train imports nothing from the swarm side
-(learner.orchestrate) and learner.plan nothing from train or orchestrate, and no torch; worker and learner
-never import each other; only p2p imports trio or libp2p.
+Imports point one way: echo_rl (the Python API) -> echo_cli -> learner, worker -> p2p; learner.train imports
+nothing from the swarm side (learner.orchestrate) and learner.plan nothing from train or orchestrate, and no
+torch; worker and learner never import each other; only p2p imports trio or libp2p.
 """
 
 import ast
@@ -11,12 +11,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("echo_cli", "learner", "worker", "p2p")
+PACKAGES = ("echo_rl", "echo_cli", "learner", "worker", "p2p")
 MAX_LINES = 400
 
 # (module prefix, imported prefixes it must not use)
 FORBIDDEN = [
-    ("p2p", ("echo_cli", "learner", "worker")),
+    ("p2p", ("echo_rl", "echo_cli", "learner", "worker")),
+    ("echo_cli", ("echo_rl",)),  # the Python API is a facade over the CLI's packages, not under them
     ("worker", ("echo_cli", "learner")),
     ("learner", ("echo_cli", "worker")),
     ("learner.train", ("learner.orchestrate", "learner.plan", "learner.colocated_loop", "learner.swarm_loop",
@@ -24,6 +25,7 @@ FORBIDDEN = [
     ("learner.plan", ("learner.train", "learner.orchestrate", "learner.tasks", "learner.run", "torch")),
     ("learner.orchestrate", ("learner.colocated_loop", "learner.swarm_loop", "learner.run")),
     ("learner.tasks", ("learner.train", "learner.orchestrate", "learner.plan", "learner.run")),
+    ("echo_rl", ("trio", "libp2p")),
     ("echo_cli", ("trio", "libp2p")),
     ("learner", ("trio", "libp2p")),
     ("worker", ("trio", "libp2p")),

@@ -24,7 +24,8 @@ def check_pngs(folder, names):
 @pytest.fixture(scope="module")
 def colocated_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("report") / "R"
-    args = ["--steps", "3", "--prompts-per-step", "2", "--group-size", "4", "--tensorboard"]
+    args = ["--steps", "3", "--prompts-per-step", "2", "--group-size", "4", "--tensorboard", "--eval-every", "2"]
+    args += ["--eval-prompts", "4", "--eval-samples", "2", "--max-new-tokens", "16"]
     res = run_cli("learner", "start", "--colocated", "--model", "tiny", "--run-dir", str(run), *args)
     assert res.returncode == 0, res.stderr
     return run
@@ -36,10 +37,29 @@ def test_report_of_a_colocated_run(colocated_run):
     doc = json.loads(res.stdout)
     assert doc["summary"]["steps"] == 3 and doc["summary"]["mode"] == "colocated"
     assert 0 <= doc["summary"]["utilisation"] < 1  # the tiny model rarely trains: all-zero groups are skipped
-    check_pngs(colocated_run / "report", ["reward.png", "utilisation.png"])
+    check_pngs(colocated_run / "report", ["reward.png", "eval.png", "utilisation.png"])
+    assert doc["summary"]["eval_task"] == "arithmetic" and "eval_pass@2_last" in doc["summary"]
     assert {s.split(":")[0] for s in doc["skipped"]} == {"staleness.png", "version_lag.png", "broadcast.png"}
     res = run_cli("report", str(colocated_run))  # the terminal table
     assert res.returncode == 0 and "reward last10" in res.stdout
+
+
+def test_report_compares_runs(colocated_run, tmp_path):
+    """`echo-rl report RUN_A RUN_B`: the curves overlaid, the summaries side by side (a run without evaluation
+    has no held-out figures, and is simply absent from that plot)."""
+    other = tmp_path / "B"
+    res = run_cli("learner", "start", "--colocated", "--model", "tiny", "--run-dir", str(other), "--steps", "2")
+    assert res.returncode == 0, res.stderr
+    res = run_cli("report", str(colocated_run), str(other), "--out", str(tmp_path / "cmp"), "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert [s["steps"] for s in doc["runs"].values()] == [3, 2]
+    assert (
+        "eval_accuracy_last" in doc["runs"][str(colocated_run)] and "eval_accuracy_last" not in doc["runs"][str(other)]
+    )
+    check_pngs(tmp_path / "cmp", ["compare_reward.png", "compare_eval.png"])
+    res = run_cli("report", str(colocated_run), str(colocated_run))
+    assert res.returncode == 2 and "named twice" in res.stderr
 
 
 def test_tensorboard_holds_the_metrics(colocated_run):

@@ -114,14 +114,49 @@ class GRPOTrainer:
     def _update(
         self, minibatch: list[TrainingSequence], passes: list[Batch], proximal: dict[int, torch.Tensor] | None
     ) -> tuple[dict[str, float] | None, int]:
-        """One optimizer update on a minibatch. The loss is normalised over all of its tokens, those of
-        skipped equal-reward groups included, so skipping (an optimisation: their gradient is zero)
-        never rescales the step. Returns (stats, tokens trained) or (None, 0) if it was not finite."""
+        """One optimizer update on a minibatch. Returns (stats, tokens trained) or (None, 0) if not finite."""
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = self._backward(minibatch, passes, proximal)
+        grad_norm = self._apply(sums["loss"])
+        if grad_norm is None:
+            return None, 0
+        tokens = max(sums.pop("tokens"), 1e-12)
+        for key in ("clip_frac", "kl_behaviour", "ratio_mean"):
+            sums[key] /= tokens
+        return {**sums, "grad_norm": grad_norm}, int(tokens)
+
+    def forward_backward(self, rollouts: list[TrainingSequence]) -> dict[str, float]:
+        """Add the GRPO loss's gradient on `rollouts` (one minibatch, normalised over its own tokens) to the
+        weights' .grad without stepping: the Python API's primitive (echo_rl.TrainingClient). Returns the
+        loss, clip fraction, KL to the sampler and the tokens trained."""
+        rollouts = [r for r in rollouts if r.completion_ids]
+        trained = [
+            r for r in rollouts if not (self.cfg.skip_equal_groups and self.cfg.beta == 0 and r.advantage == 0.0)
+        ]
+        self.model.train()
+        sums = self._backward(rollouts, micro_batches(trained, self.cfg.micro_batch_tokens), None)
+        tokens = max(sums["tokens"], 1e-12)
+        return {
+            "loss": sums["loss"], "kl_ref": sums["kl_ref"], "trained_tokens": int(sums["tokens"]),
+            **{key: sums[key] / tokens for key in ("clip_frac", "kl_behaviour", "ratio_mean")},
+        }  # fmt: skip
+
+    def optim_step(self) -> dict[str, float]:
+        """Clip the accumulated gradient and take one AdamW step (skipped if it is not finite); clears it."""
+        grad_norm = self._apply(0.0)
+        return {"grad_norm": float("nan") if grad_norm is None else grad_norm, "skipped": grad_norm is None}
+
+    def _backward(
+        self, minibatch: list[TrainingSequence], passes: list[Batch], proximal: dict[int, torch.Tensor] | None
+    ) -> dict[str, float]:
+        """The loss's gradient over `passes` (this rank's micro-batches of `minibatch`) added to .grad. The loss
+        is normalised over all of the minibatch's tokens, those of skipped equal-reward groups included, so
+        skipping (an optimisation: their gradient is zero) never rescales the step. Returns the loss and
+        token-weighted sums of the statistics, summed over ranks."""
         cfg, world = self.cfg, self.world
         total_tokens = sum(len(r.completion_ids) for r in minibatch)  # of the whole minibatch, over all ranks
         n_rollouts = len(minibatch)
         sums = {"loss": 0.0, "clip_frac": 0.0, "kl_behaviour": 0.0, "ratio_mean": 0.0, "kl_ref": 0.0, "tokens": 0.0}
-        self.optimizer.zero_grad(set_to_none=True)
         for batch in passes:
             if not batch:  # this rank's share is done: a pass that adds nothing to the gradient
                 (self._logprobs(self.model, [PADDING]).sum() * 0.0).backward()
@@ -151,22 +186,23 @@ class GRPOTrainer:
                 sums[key] += stats[key] * tokens
             sums["kl_ref"] += stats.get("kl_ref", 0.0)
             sums["tokens"] += tokens
-        sums = dict(zip(sums, world.sum(list(sums.values())), strict=True))
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
-        if not (math.isfinite(sums["loss"]) and math.isfinite(grad_norm)):
+        return dict(zip(sums, world.sum(list(sums.values())), strict=True))
+
+    def _apply(self, loss: float) -> float | None:
+        """Clip the gradient, step and clear it; returns its norm, or None (and no step) if the loss or the
+        gradient is not finite."""
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_updates += 1
             log.warning(
                 "update skipped: loss %s, gradient norm %s are not finite (%d skipped in this run)",
-                sums["loss"], grad_norm, self.skipped_updates,
+                loss, grad_norm, self.skipped_updates,
             )  # fmt: skip
-            return None, 0
+            return None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        tokens = max(sums.pop("tokens"), 1e-12)
-        for key in ("clip_frac", "kl_behaviour", "ratio_mean"):
-            sums[key] /= tokens
-        return {**sums, "grad_norm": grad_norm}, int(tokens)
+        return grad_norm
 
     def _logprobs(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """completion_logprobs in the trainer's precision: [N] float32."""
