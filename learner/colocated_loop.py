@@ -47,64 +47,68 @@ def train_colocated(
     evaluator = Evaluator.for_run(cfg, policy, held_out) if held_out else None
     initial = evaluator.evaluate(engine) if evaluator and run.start_step == 0 else None  # version 0, the baseline
     t_run = time.perf_counter() - run.wall_offset
-    for step in range(run.start_step + 1, cfg.run.steps + 1):
-        phases = Phases(run.world.device)  # seconds and peak memory of generate, score, train, export
+    try:
+        for step in range(run.start_step + 1, cfg.run.steps + 1):
+            phases = Phases(run.world.device)  # seconds and peak memory of generate, score, train, export
 
-        # 1-3. prompts chosen by the learner and seeded by (seed, step); G completions each with the
-        #      current policy (version step - 1); rewards scored here, advantages normalised per group.
-        #      Dynamic sampling: while fewer than P groups carry signal, draw another P prompts
-        rng = random.Random(step_seed(cfg.run.seed, step))
-        scored: list[list[Rollout]] = []
-        for round_ in range(cfg.grpo.sampling_rounds if cfg.grpo.dynamic_sampling else 1):
-            problems = [task.sample(rng) for _ in range(cfg.grpo.prompts_per_step)]
-            prompts = [policy.render_prompt(p.prompt) for p in problems]
-            params = SamplingParams(
-                cfg.sampler.temperature,
-                cfg.sampler.top_p,
-                cfg.sampler.max_new_tokens,
-                step_seed(cfg.run.seed + 1 + round_, step),
-            )
-            with phases("generate"):
-                groups = engine.generate(
-                    [GenerationRequest(p, cfg.grpo.group_size, k) for k, p in enumerate(prompts)], params
+            # 1-3. prompts chosen by the learner and seeded by (seed, step); G completions each with the
+            #      current policy (version step - 1); rewards scored here, advantages normalised per group.
+            #      Dynamic sampling: while fewer than P groups carry signal, draw another P prompts
+            rng = random.Random(step_seed(cfg.run.seed, step))
+            scored: list[list[Rollout]] = []
+            for round_ in range(cfg.grpo.sampling_rounds if cfg.grpo.dynamic_sampling else 1):
+                problems = [task.sample(rng) for _ in range(cfg.grpo.prompts_per_step)]
+                prompts = [policy.render_prompt(p.prompt) for p in problems]
+                params = SamplingParams(
+                    cfg.sampler.temperature,
+                    cfg.sampler.top_p,
+                    cfg.sampler.max_new_tokens,
+                    step_seed(cfg.run.seed + 1 + round_, step),
                 )
-            with phases("score"):
-                scored += score_groups(task, policy, problems, prompts, groups, version=step - 1)
-            if sum(map(has_signal, scored)) >= cfg.grpo.prompts_per_step:
-                break
-        batch = scored
-        if cfg.grpo.dynamic_sampling:
-            batch = [g for g in scored if has_signal(g)][: cfg.grpo.prompts_per_step]
+                with phases("generate"):
+                    groups = engine.generate(
+                        [GenerationRequest(p, cfg.grpo.group_size, k) for k, p in enumerate(prompts)], params
+                    )
+                with phases("score"):
+                    scored += score_groups(task, policy, problems, prompts, groups, version=step - 1)
+                if sum(map(has_signal, scored)) >= cfg.grpo.prompts_per_step:
+                    break
+            batch = scored
+            if cfg.grpo.dynamic_sampling:
+                batch = [g for g in scored if has_signal(g)][: cfg.grpo.prompts_per_step]
 
-        # 4. one optimizer step
-        with phases("train"):
-            stats = trainer.step([r for g in batch for r in g])
+            # 4. one optimizer step
+            with phases("train"):
+                stats = trainer.step([r for g in batch for r in g])
 
-        # 5. hand the new weights to the sampler (LoRA: only the adapters, hot-swapped on the base)
-        with phases("export"):
-            if stats["trained_tokens"] and cfg.model.lora_rank:
-                engine.load_adapters(spec, wire_tensors(policy.model, adapter_only=True))
-            elif stats["trained_tokens"]:
-                engine.load_policy(spec, wire_tensors(policy.model))
-        # 6. held-out evaluation of the new version (the checkpoint of this step holds the same weights)
-        evaluation = None
-        if evaluator and (step % every == 0 or step == cfg.run.steps):
-            with phases("eval"):
-                evaluation = evaluator.evaluate(engine)
-        seconds = phases.seconds
+            # 5. hand the new weights to the sampler (LoRA: only the adapters, hot-swapped on the base)
+            with phases("export"):
+                if stats["trained_tokens"] and cfg.model.lora_rank:
+                    engine.load_adapters(spec, wire_tensors(policy.model, adapter_only=True))
+                elif stats["trained_tokens"]:
+                    engine.load_policy(spec, wire_tensors(policy.model))
+            # 6. held-out evaluation of the new version (the checkpoint of this step holds the same weights)
+            evaluation = None
+            if evaluator and (step % every == 0 or step == cfg.run.steps):
+                with phases("eval"):
+                    evaluation = evaluator.evaluate(engine)
+            seconds = phases.seconds
 
-        record = {
-            "step": step,
-            "wall_s": round(time.perf_counter() - t_run, 3),
-            **batch_metrics(scored, stats),
-            "gen_tokens_per_s": sum(len(r.completion_ids) for g in scored for r in g) / max(seconds["generate"], 1e-9),
-            "utilisation": seconds["train"] / sum(seconds.values()),  # the learner trains, then waits for itself
-            "seconds": {k: round(v, 4) for k, v in seconds.items()},
-            "memory_gib": phases.memory(run),
-        }
-        if initial is not None and step == 1:
-            record["eval_initial"] = initial
-        if evaluation is not None:
-            record["eval"] = evaluation
-        run.record(step, record)
-        yield record
+            record = {
+                "step": step,
+                "wall_s": round(time.perf_counter() - t_run, 3),
+                **batch_metrics(scored, stats),
+                "gen_tokens_per_s": sum(len(r.completion_ids) for g in scored for r in g)
+                / max(seconds["generate"], 1e-9),
+                "utilisation": seconds["train"] / sum(seconds.values()),  # the learner trains, then waits for itself
+                "seconds": {k: round(v, 4) for k, v in seconds.items()},
+                "memory_gib": phases.memory(run),
+            }
+            if initial is not None and step == 1:
+                record["eval_initial"] = initial
+            if evaluation is not None:
+                record["eval"] = evaluation
+            run.record(step, record)
+            yield record
+    finally:
+        run.close()  # the W&B / trackio run ends with the loop, also when the caller stops early

@@ -32,6 +32,12 @@ class RunConfig:
     """How many of the newest checkpoints to keep on disk."""
     tensorboard: bool = False
     """Also log every step's scalar metrics to RUN_DIR/tensorboard (needs `pip install tensorboard`)."""
+    wandb: bool = False
+    """Also log them to Weights & Biases: online if logged in, else offline in RUN_DIR/wandb (echo-rl[wandb])."""
+    trackio: bool = False
+    """Also log them to trackio's local database; `trackio show` displays them (echo-rl[trackio])."""
+    project: str = "echo-rl"
+    """The W&B / trackio project the run is logged under (the run is named after RUN_DIR)."""
 
     def validate(self) -> None:
         require(self.steps >= 1, "run.steps", f"must be >= 1, got {self.steps}")

@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -23,6 +22,7 @@ from learner.config import LearnerConfig
 from learner.orchestrate.rollouts import Rollout, has_signal
 from learner.tasks import Task, make_task
 from learner.tasks.split import split_task
+from learner.tracking import Trackers
 from learner.train.checkpoint import list_checkpoints, load_trainer_state, load_weights, save_checkpoint
 from learner.train.data_parallel import World, shard
 from learner.train.devices import (
@@ -53,7 +53,7 @@ class Run:
     trainer: GRPOTrainer
     start_step: int
     wall_offset: float  # seconds of wall time before this process (resumed runs)
-    tensorboard: Any = None  # a SummaryWriter when run.tensorboard is on
+    trackers: Trackers | None = None  # TensorBoard, W&B, trackio, as configured (rank 0 only)
     world: World = World()  # several training ranks: rank 0 writes metrics and checkpoints
 
     @property
@@ -66,10 +66,8 @@ class Run:
         if self.world.leader:
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-        if self.tensorboard is not None:
-            for name, value in scalar_metrics(record).items():
-                self.tensorboard.add_scalar(name, value, step)
-            self.tensorboard.flush()
+        if self.trackers is not None and record is not None:
+            self.trackers.log(step, record)
         if step % self.cfg.run.checkpoint_every == 0 or step == self.cfg.run.steps:
             tick = time.perf_counter()
             state = {"wall_s": record["wall_s"] if record else 0.0, "config": dataclasses.asdict(self.cfg)}
@@ -81,6 +79,12 @@ class Run:
                 log.info("checkpoint %s written in %.1fs", path, time.perf_counter() - tick)
             return True
         return False
+
+    def close(self) -> None:
+        """End the trackers (a W&B or trackio run is finished; its files are complete)."""
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
 
 
 def open_run(cfg: LearnerConfig, resume: bool, world: World | None = None, task: Task | None = None) -> Run:
@@ -134,11 +138,11 @@ def open_run(cfg: LearnerConfig, resume: bool, world: World | None = None, task:
         "training on %s in %s%s", describe_device(world.device), cfg.model.precision,
         ", gradient checkpointing" if cfg.model.grad_checkpointing else "",
     )  # fmt: skip
-    tensorboard = None
+    trackers = None
     if world.leader:
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-        tensorboard = open_tensorboard(cfg, run_dir)
-    return Run(cfg, run_dir, policy, task, trainer, start_step, wall_offset, tensorboard, world)
+        trackers = Trackers(cfg, run_dir)
+    return Run(cfg, run_dir, policy, task, trainer, start_step, wall_offset, trackers, world)
 
 
 class Phases:
@@ -174,28 +178,6 @@ class Phases:
             **{name: round(gib, 4) for name, gib in parts.items()},
             "resident": round(current_gib(), 3),
         }
-
-
-def open_tensorboard(cfg: LearnerConfig, run_dir: Path) -> Any:
-    if not cfg.run.tensorboard:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ConfigError("run.tensorboard needs the tensorboard package: pip install tensorboard") from None
-    return SummaryWriter(str(run_dir / "tensorboard"))
-
-
-def scalar_metrics(record: dict, prefix: str = "") -> dict[str, float]:
-    """A step record flattened to TensorBoard scalars: {"seconds": {"train": 1.2}} -> {"seconds/train": 1.2}."""
-    scalars: dict[str, float] = {}
-    for key, value in record.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            scalars |= scalar_metrics(value, name + "/")
-        elif isinstance(value, int | float) and not isinstance(value, bool) and key != "step":
-            scalars[name] = float(value)
-    return scalars
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:

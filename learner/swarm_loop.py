@@ -221,6 +221,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
         leave(world)
     finally:
         host.stop()
+        run.close()
         if journal is not None:
             journal.close()
 

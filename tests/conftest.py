@@ -16,10 +16,10 @@ def tiny():
 
 
 def run_cli(
-    *args: str, timeout: float = 300, cwd: Path | None = None, columns: int | None = None
+    *args: str, timeout: float = 300, cwd: Path | None = None, columns: int | None = None, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """Run `echo-rl ARGS` as a real subprocess (python -m echo_cli) and capture its output."""
-    env = dict(os.environ) | ({"COLUMNS": str(columns)} if columns else {})
+    """Run `echo-rl ARGS` as a real subprocess (python -m echo_cli) and capture its output; `env` adds to ours."""
+    env = dict(os.environ) | ({"COLUMNS": str(columns)} if columns else {}) | (env or {})
     return subprocess.run(
         [sys.executable, "-m", "echo_cli", *args],
         capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT, env=env,

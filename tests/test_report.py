@@ -73,6 +73,40 @@ def test_tensorboard_holds_the_metrics(colocated_run):
     assert "seconds/train" in events.Tags()["scalars"]
 
 
+def test_wandb_and_trackio_get_the_metrics_of_metrics_jsonl(tmp_path):
+    """--wandb offline (no login: HOME holds no ~/.netrc) under RUN_DIR/wandb, --trackio in its local database:
+    the same metric names and values as metrics.jsonl, nested ones joined by '/'."""
+    import sqlite3
+
+    run = tmp_path / "R"
+    env = {"HOME": str(tmp_path), "TRACKIO_DIR": str(tmp_path / "trackio"), "WANDB_API_KEY": ""}
+    args = [
+        "--steps",
+        "2",
+        "--wandb",
+        "--trackio",
+        "--project",
+        "echo-test",
+        "--eval-every",
+        "1",
+        "--eval-prompts",
+        "4",
+    ]
+    res = run_cli("learner", "start", "--colocated", "--model", "tiny", "--run-dir", str(run), *args, env=env)
+    assert res.returncode == 0, res.stderr
+    recorded = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = sqlite3.connect(tmp_path / "trackio" / "echo-test.db").execute("select step, metrics from metrics")
+    logged = {step: json.loads(metrics) for step, metrics in rows}
+    assert sorted(logged) == [1, 2]
+    for r in recorded:
+        assert logged[r["step"]]["reward_mean"] == r["reward_mean"]
+        assert logged[r["step"]]["eval/accuracy"] == r["eval"]["accuracy"]
+        assert logged[r["step"]]["seconds/train"] == r["seconds"]["train"]
+    (history,) = (run / "wandb").glob("offline-run-*/run-*.wandb")  # W&B's own record log, offline
+    data = history.read_bytes()
+    assert all(name.encode() in data for name in ("reward_mean", "eval/accuracy", "seconds/train"))
+
+
 def test_report_bad_input(tmp_path):
     res = run_cli("report", str(tmp_path / "nothing"))
     assert res.returncode == 2 and "metrics.jsonl does not exist" in res.stderr
