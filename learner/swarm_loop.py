@@ -35,6 +35,7 @@ from learner.train.data_parallel import full_state, init_world, leave
 from learner.train.models import model_spec
 from p2p.auth import AUTH, SwarmAuth, read_allow_list, read_secret
 from p2p.broadcast import ChunkStore, Seeder
+from p2p.config import ConfigError
 from p2p.host import Host, HostConfig
 from p2p.identity import load_identity
 
@@ -58,6 +59,11 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
     """Run (or resume) a swarm GRPO run; yields each step's metrics after it is written.
 
     Under torchrun, rank 0 runs this loop and the other ranks `follow` it (learner.train.data_parallel)."""
+    if cfg.eval.eval_every:
+        raise ConfigError(
+            "--eval-every runs with --colocated only so far (a swarm's evaluation leases are not built yet): "
+            "evaluate a swarm run's checkpoints with `echo-rl eval RUN_DIR --step N`"
+        )
     secret = read_secret(cfg.swarm.secret_file) if cfg.swarm.secret_file else None
     allow = read_allow_list(cfg.swarm.allow) if cfg.swarm.allow else None
     world = init_world(cfg.model.device)

@@ -128,10 +128,13 @@ def test_full_weight_run_exports_and_refuses_adapters(tmp_path):
         (["--eval-every", "-1"], "eval.eval_every"),
         (["--eval-task-args", "max_value=5"], "needs --eval-task"),
         (["--eval-every", "1", "--eval-task", "chess"], "unknown task 'chess'"),
+        (["--eval-every", "1", "--swarm"], "with --colocated only so far"),
     ],
 )
 def test_bad_evaluation_settings_are_one_line_errors(tmp_path, args, message):
-    res = run_cli("learner", "start", "--colocated", "--model", "tiny", "--run-dir", str(tmp_path / "R"), *args)
+    colocated = ["--colocated"] if "--swarm" not in args else []
+    args = [a for a in args if a != "--swarm"]
+    res = run_cli("learner", "start", *colocated, "--model", "tiny", "--run-dir", str(tmp_path / "R"), *args)
     assert res.returncode == 2 and message in res.stderr
     assert len([ln for ln in res.stderr.splitlines() if ln.strip()]) == 1
 
