@@ -46,14 +46,15 @@ def config_flags(cfg: LearnerConfig) -> list[str]:
 
 
 class LocalSwarm:
-    """A learner process and `workers` worker processes on this machine, training `cfg` (a swarm run)."""
+    """A learner process (`echo-rl learner start LEARNER_ARGS`) and `workers` worker processes on this machine.
+
+    `learner_log`: the file the learner's output goes to (None: this process's terminal)."""
 
     def __init__(
-        self, cfg: LearnerConfig, workers: int = 2, worker_threads: int = 1, engine: str = "llamacpp",
-        worker_args: tuple[str, ...] = (),
+        self, learner_args: list[str], run_dir: Path, workers: int = 2, worker_threads: int = 1,
+        engine: str = "llamacpp", worker_args: tuple[str, ...] = (), learner_log: Path | None = None,
     ) -> None:  # fmt: skip
-        cfg.validate()
-        self.cfg, self.run_dir = cfg, Path(cfg.run.run_dir)
+        self.learner_args, self.run_dir, self.learner_log = learner_args, Path(run_dir), learner_log
         self.n_workers, self.worker_threads, self.engine, self.worker_args = (
             workers,
             worker_threads,
@@ -64,19 +65,20 @@ class LocalSwarm:
         self.workers: list[subprocess.Popen] = []
 
     def start(self) -> LocalSwarm:
-        """Start the learner, wait until it listens, then start the workers."""
+        """Start the learner, wait until it listens, then start the workers. RuntimeError if the learner
+        exits first or does not listen within START_TIMEOUT_S."""
         addr_file = self.run_dir / "learner.addr"
         addr_file.unlink(missing_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.run_dir / "learner.log", "w")  # noqa: SIM115 - lives as long as the learner
-        self.learner = subprocess.Popen(ECHO + ["learner", "start", *config_flags(self.cfg)], stdout=log, stderr=log)
+        log = open(self.learner_log, "w") if self.learner_log else None  # noqa: SIM115 - lives as long as the learner
+        self.learner = subprocess.Popen(ECHO + ["learner", "start", *self.learner_args], stdout=log, stderr=log)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not (addr_file.exists() and addr_file.read_text().strip()):
             if self.learner.poll() is not None:
-                raise RuntimeError(f"the learner exited with {self.learner.returncode}: see {log.name}")
+                raise RuntimeError(f"the learner exited with {self.learner.returncode} before it listened")
             if time.monotonic() > deadline:
                 self.close()
-                raise RuntimeError(f"the learner did not listen within {START_TIMEOUT_S:.0f} s: see {log.name}")
+                raise RuntimeError(f"the learner did not listen within {START_TIMEOUT_S:.0f} s")
             time.sleep(0.5)
         addr = addr_file.read_text().strip()
         for k in range(1, self.n_workers + 1):
@@ -139,6 +141,15 @@ class LocalSwarm:
         self.close()
 
 
-def local_swarm(cfg: LearnerConfig, workers: int = 2, **kwargs: object) -> LocalSwarm:
-    """Start a LocalSwarm of `cfg` with `workers` workers (use it in a `with` block)."""
-    return LocalSwarm(cfg, workers, **kwargs).start()  # type: ignore[arg-type]
+def local_swarm(
+    cfg: LearnerConfig, workers: int = 2, worker_threads: int = 1, engine: str = "llamacpp",
+    worker_args: tuple[str, ...] = (),
+) -> LocalSwarm:  # fmt: skip
+    """Start a swarm run of `cfg` with `workers` workers (use it in a `with` block); the learner logs to
+    RUN_DIR/learner.log."""
+    cfg.validate()
+    run_dir = Path(cfg.run.run_dir)
+    swarm = LocalSwarm(
+        config_flags(cfg), run_dir, workers, worker_threads, engine, worker_args, run_dir / "learner.log"
+    )
+    return swarm.start()

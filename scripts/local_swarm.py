@@ -3,11 +3,11 @@
     .venv/bin/python scripts/local_swarm.py --workers 2 --worker-threads 1 -- --config configs/demo.toml --run-dir R
 
 Everything after `--` goes to `echo-rl learner start`. The learner's output stays on this terminal;
-each worker logs to RUN_DIR/worker-K.log. Workers get SIGTERM when the learner exits.
+each worker logs to RUN_DIR/worker-K.log. Workers get SIGTERM when the learner exits. The processes are
+echo_rl.swarm.LocalSwarm's (what `echo_rl.local_swarm` starts from Python).
 """
 
 import argparse
-import os
 import signal
 import subprocess
 import sys
@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-ECHO = [sys.executable, "-m", "echo_cli"]
+from echo_rl.swarm import ECHO, LocalSwarm
 
 
 def show_status(learner: subprocess.Popen, run_dir: Path, every: float) -> None:
@@ -47,40 +47,22 @@ def main() -> int:
     run_dir = Path(learner_args[learner_args.index("--run-dir") + 1]) if "--run-dir" in learner_args else None
     if run_dir is None:
         sys.exit("local_swarm.py: pass --run-dir RUN_DIR to the learner (after --)")
-    addr_file = run_dir / "learner.addr"
-    addr_file.unlink(missing_ok=True)
-
-    learner = subprocess.Popen(ECHO + ["learner", "start", *learner_args])
-    workers = []
+    swarm = LocalSwarm(
+        learner_args, run_dir, args.workers, args.worker_threads, args.engine, tuple(args.worker_arg)
+    )  # the learner's output stays on this terminal
     try:
-        deadline = time.monotonic() + 600
-        while not (addr_file.exists() and addr_file.read_text().strip()):
-            if learner.poll() is not None:
-                return learner.returncode
-            if time.monotonic() > deadline:
-                sys.exit("local_swarm.py: the learner did not start listening within 10 minutes")
-            time.sleep(0.5)
-        addr = addr_file.read_text().strip()
-        for k in range(1, args.workers + 1):
-            log = open(run_dir / f"worker-{k}.log", "w")  # noqa: SIM115 - lives as long as the worker
-            cmd = ECHO + ["worker", "join", "--learner", addr, "--threads", str(args.worker_threads)]
-            cmd += ["--engine", args.engine, "--identity", str(run_dir / f"worker-{k}.key")]
-            cmd += ["--work-dir", str(run_dir / f"worker-{k}"), *args.worker_arg]
-            workers.append(subprocess.Popen(cmd, stdout=log, stderr=log, env={**os.environ, "COLUMNS": "120"}))
+        swarm.start()
         if args.status_every > 0:
-            threading.Thread(target=show_status, args=(learner, run_dir, args.status_every), daemon=True).start()
-        return learner.wait()
+            threading.Thread(target=show_status, args=(swarm.learner, run_dir, args.status_every), daemon=True).start()
+        return swarm.learner.wait()
+    except RuntimeError as exc:  # the learner exited (its own error is on the terminal) or never listened
+        print(f"local_swarm.py: {exc}", file=sys.stderr)
+        return swarm.learner.returncode if swarm.learner and swarm.learner.returncode else 1
     except KeyboardInterrupt:
-        learner.send_signal(signal.SIGINT)
-        return learner.wait()
+        swarm.learner.send_signal(signal.SIGINT)
+        return swarm.learner.wait()
     finally:
-        for w in workers:
-            w.send_signal(signal.SIGTERM)
-        for w in workers:
-            try:
-                w.wait(30)
-            except subprocess.TimeoutExpired:
-                w.kill()
+        swarm.close()
 
 
 if __name__ == "__main__":
