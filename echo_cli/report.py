@@ -101,9 +101,13 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def evaluations(rows: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
-    """(step, held-out evaluation) of a run in order; the initial policy's is step 0."""
-    points = [(0, rows[0]["eval_initial"])] if "eval_initial" in rows[0] else []
-    return points + [(r["step"], r["eval"]) for r in rows if "eval" in r]
+    """(version, held-out evaluation) of a run in order; the initial policy's is version 0. Co-located, a
+    step's evaluation is of its own version; in a swarm, of the version the evaluating worker held."""
+    points = [(0, r["eval_initial"]) for r in rows if "eval_initial" in r][:1]
+    for r in rows:
+        for e in [*r.get("eval_earlier", []), *([r["eval"]] if "eval" in r else [])]:
+            points.append((e.get("version", r["step"]), e))
+    return points
 
 
 def by_version(rows: list[dict[str, Any]], key: str) -> dict[int, float]:
@@ -159,7 +163,10 @@ def write_plots(rows: list[dict[str, Any]], out: Path) -> tuple[list[Path], list
         ax.plot(eval_steps, [e["accuracy"] for _, e in evals], marker="o", label="greedy accuracy")
         ax.plot(eval_steps, [e["pass_at_k"] for _, e in evals], marker=".", label=f"pass@{evals[-1][1]['k']}")
         ax.plot(eval_steps, [e["reward_mean"] for _, e in evals], linestyle=":", label="mean sampled reward")
-        ax.set(xlabel="optimizer step", ylabel=f"held-out {evals[-1][1]['task']} ({evals[-1][1]['prompts']} prompts)")
+        ax.set(
+            xlabel="policy version (step)",
+            ylabel=f"held-out {evals[-1][1]['task']} ({evals[-1][1]['prompts']} prompts)",
+        )
         ax.set_ylim(0, None)
         ax.grid(alpha=0.3)
         ax.legend()

@@ -45,7 +45,7 @@ def train_colocated(
     spec = model_spec(policy)
     engine.load_policy(spec, wire_tensors(policy.model))
     evaluator = Evaluator.for_run(cfg, policy, held_out) if held_out else None
-    initial = evaluator.evaluate(engine) if evaluator and run.start_step == 0 else None  # version 0, the baseline
+    initial = {"version": 0, **evaluator.evaluate(engine)} if evaluator and run.start_step == 0 else None  # baseline
     t_run = time.perf_counter() - run.wall_offset
     try:
         for step in range(run.start_step + 1, cfg.run.steps + 1):
@@ -91,7 +91,7 @@ def train_colocated(
             evaluation = None
             if evaluator and (step % every == 0 or step == cfg.run.steps):
                 with phases("eval"):
-                    evaluation = evaluator.evaluate(engine)
+                    evaluation = {"version": step, **evaluator.evaluate(engine)}
             seconds = phases.seconds
 
             record = {

@@ -14,6 +14,7 @@ are the policy's, not the luck of the draw.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -79,7 +80,8 @@ def held_out_problems(task: Task, n: int, seed: int) -> list[Problem]:
 
 @dataclass
 class Evaluator:
-    """A run's held-out set and how to sample it; `evaluate(engine)` scores the engine's current policy."""
+    """A run's held-out set and how to sample it; `evaluate(engine)` scores the engine's current policy.
+    A swarm sends `requests()` to a worker as one lease and `score`s what comes back."""
 
     task: Task
     policy: Policy  # renders prompts, decodes completions
@@ -101,22 +103,31 @@ class Evaluator:
             sampler.max_new_tokens, cfg.run.seed,
         )  # fmt: skip
 
+    @property
+    def params(self) -> SamplingParams:
+        """The samples' parameters; their seed is the run's evaluation stream, the same at every evaluation."""
+        return SamplingParams(self.temperature, self.top_p, self.max_new_tokens, step_seed(self.seed, SAMPLE_STREAM))
+
+    def requests(self) -> list[GenerationRequest]:
+        """One greedy request per prompt, then one of k samples per prompt (group i: prompt i in both)."""
+        prompts = [self.policy.render_prompt(p.prompt) for p in self.problems]
+        greedy = [GenerationRequest(ids, 1, i, greedy=True) for i, ids in enumerate(prompts)]
+        return greedy + [GenerationRequest(ids, self.samples, i) for i, ids in enumerate(prompts)]
+
     def evaluate(self, engine: Generator) -> dict:
         """Greedy accuracy, pass@k and mean sampled reward of `engine`'s policy on the held-out prompts."""
         tick = time.perf_counter()
-        prompts = [self.policy.render_prompt(p.prompt) for p in self.problems]
-        seed = step_seed(self.seed, SAMPLE_STREAM)
-        greedy = engine.generate(
-            [GenerationRequest(ids, 1, i) for i, ids in enumerate(prompts)],
-            SamplingParams(0.0, 1.0, self.max_new_tokens, seed),
-        )
-        sampled = engine.generate(
-            [GenerationRequest(ids, self.samples, i) for i, ids in enumerate(prompts)],
-            SamplingParams(self.temperature, self.top_p, self.max_new_tokens, seed),
-        )
+        requests, n = self.requests(), len(self.problems)
+        greedy = engine.generate(requests[:n], dataclasses.replace(self.params, temperature=0.0))
+        sampled = engine.generate(requests[n:], self.params)
+        return {**self.score(greedy + sampled), "seconds": round(time.perf_counter() - tick, 3)}
+
+    def score(self, groups: Sequence[Sequence[Completion]]) -> dict:
+        """The figures of the module docstring from the completions of requests(), in their order."""
+        n = len(self.problems)
+        greedy, sampled = groups[:n], groups[n:]
         greedy_rewards = [self._rewards(p, g)[0] for p, g in zip(self.problems, greedy, strict=True)]
         sample_rewards = [self._rewards(p, g) for p, g in zip(self.problems, sampled, strict=True)]
-        n = len(self.problems)
         return {
             "task": self.task.name,
             "prompts": n,
@@ -126,10 +137,9 @@ class Evaluator:
             "reward_mean": sum(map(sum, sample_rewards)) / (n * self.samples),
             "greedy_reward_mean": sum(greedy_rewards) / n,
             "greedy_len_mean": sum(len(g[0].tokens) for g in greedy) / n,
-            "seconds": round(time.perf_counter() - tick, 3),
         }
 
-    def _rewards(self, problem: Problem, group: list[Completion]) -> list[float]:
+    def _rewards(self, problem: Problem, group: Sequence[Completion]) -> list[float]:
         return [clamp_reward(self.task.reward(self.policy.decode(c.tokens), problem.answer)) for c in group]
 
 

@@ -26,6 +26,7 @@ import multiaddr
 from transformers import AutoModelForCausalLM
 
 from learner.config import LearnerConfig
+from learner.evaluation import eval_task
 from learner.orchestrate.handlers import LearnerService
 from learner.orchestrate.journal import JournalState, RolloutJournal, group_of, read_journal
 from learner.orchestrate.publisher import Publisher
@@ -59,11 +60,14 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
     """Run (or resume) a swarm GRPO run; yields each step's metrics after it is written.
 
     Under torchrun, rank 0 runs this loop and the other ranks `follow` it (learner.train.data_parallel)."""
-    if cfg.eval.eval_every:
+    every = cfg.eval.eval_every
+    if every and every % cfg.swarm.publish_every:
         raise ConfigError(
-            "--eval-every runs with --colocated only so far (a swarm's evaluation leases are not built yet): "
-            "evaluate a swarm run's checkpoints with `echo-rl eval RUN_DIR --step N`"
+            f"--eval-every {every} must be a multiple of --publish-every {cfg.swarm.publish_every}: "
+            "workers evaluate published versions"
         )
+    if every:
+        eval_task(cfg)  # a bad evaluation task fails before the model loads
     secret = read_secret(cfg.swarm.secret_file) if cfg.swarm.secret_file else None
     allow = read_allow_list(cfg.swarm.allow) if cfg.swarm.allow else None
     world = init_world(cfg.model.device)
@@ -138,6 +142,9 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
             return publisher.snapshot(policy.model, full_state(policy.model, world))
 
         publish(version, snapshot())
+        evals = service.evals  # held-out evaluation leases (learner.orchestrate.evaluations), with --eval-every
+        if evals is not None and run.start_step == 0:
+            evals.request(0)  # the initial policy: the baseline
         publishing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")  # encodes while we train
         pending: Future | None = None
 
@@ -176,6 +183,16 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                     if pending is not None:
                         pending.result()  # also raises if it failed
                     pending = publishing.submit(publish, version, snapshot())
+
+            # 4. held-out evaluation of the published versions every N steps, and of the last one: a lease
+            #    to a worker; the run's end waits for its result
+            if evals is not None and (version % every == 0 or step == cfg.run.steps):
+                evals.request(version - version % cfg.swarm.publish_every)
+            if evals is not None and step == cfg.run.steps:
+                with phases("eval"):
+                    if pending is not None:
+                        pending.result()  # the version to evaluate reaches the seeder
+                    wait_for_evaluation(service, version - version % cfg.swarm.publish_every)
             seconds = phases.seconds
             step_s = sum(seconds.values())
 
@@ -217,6 +234,14 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                 "stale_groups": stale,
                 "replayed": step in replay,
             }
+            for result in evals.drain() if evals is not None else []:  # finished during this step, oldest first
+                if result["version"] == 0:
+                    record["eval_initial"] = result
+                elif "eval" in record:  # two in one step (a slow worker): the newest is "eval", none is lost
+                    record.setdefault("eval_earlier", []).append(record.pop("eval"))
+                    record["eval"] = result
+                else:
+                    record["eval"] = result
             if run.record(step, record):
                 journal.checkpointed(step)
             service.step_recorded(record)
@@ -230,6 +255,19 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
         run.close()
         if journal is not None:
             journal.close()
+
+
+def wait_for_evaluation(service: LearnerService, version: int) -> None:
+    """Wait (at most an evaluation lease's time, twice) until a worker returned the evaluation of `version`."""
+    evals = service.evals
+    assert evals is not None
+    deadline = time.monotonic() + 2 * evals.timeout_s
+    while evals.waiting_for(version) and time.monotonic() < deadline:
+        service.leases.expire()
+        time.sleep(0.2)
+    if evals.waiting_for(version):
+        log.warning("no worker returned the held-out evaluation of v%d in %.0fs: the run ends without it",
+                    version, 2 * evals.timeout_s)  # fmt: skip
 
 
 def follow(run: Run) -> None:

@@ -66,11 +66,13 @@ class GenerationRequest:
     """One prompt (already rendered and tokenized by the learner) to complete `group_size` times.
 
     `group` is the prompt group's id: with the lease's seed, the completion's index and the token's
-    position it keys every random draw (p2p.draws), so the learner can replay them."""
+    position it keys every random draw (p2p.draws), so the learner can replay them. `greedy`: one
+    completion of the most likely tokens (held-out evaluation), whatever the lease's temperature."""
 
     prompt_ids: list[int]
     group_size: int
     group: int = 0
+    greedy: bool = False
 
 
 @dataclass
@@ -216,20 +218,24 @@ class RolloutSubmission:
         }
 
     @classmethod
-    def from_wire(cls, msg: dict, group_size: int, max_tokens: int, vocab_size: int) -> RolloutSubmission:
+    def from_wire(cls, msg: dict, group_size: int | list[int], max_tokens: int, vocab_size: int) -> RolloutSubmission:
         """Parse and check everything that does not need the lease: counts, token ids in the vocabulary,
-        one logprob per token, each finite and in [LOGPROB_FLOOR, 0], a known finish reason."""
+        one logprob per token, each finite and in [LOGPROB_FLOOR, 0], a known finish reason. `group_size`:
+        the completions every group must have, or a list of them, one per group in order."""
         lease, version = _int(msg, "lease", 0, 2**64 - 1), _int(msg, "version", 0, MAX_VERSION)
         groups = msg.get("groups")
         if not isinstance(groups, list) or not groups:
             raise MessageError("'groups' must be a non-empty list")
+        sizes = group_size if isinstance(group_size, list) else [group_size] * len(groups)
+        if len(groups) != len(sizes):
+            raise MessageError(f"the lease has {len(sizes)} groups")
         parsed = []
-        for group in groups:
+        for group, size in zip(groups, sizes, strict=True):
             if not isinstance(group, dict):
                 raise MessageError("a group must be a map")
             completions = group.get("completions")
-            if not isinstance(completions, list) or len(completions) != group_size:
-                raise MessageError(f"a group needs exactly {group_size} completions")
+            if not isinstance(completions, list) or len(completions) != size:
+                raise MessageError(f"a group needs exactly {size} completions")
             out = []
             for c in completions:
                 if not isinstance(c, dict):
@@ -300,8 +306,11 @@ class LeaseGrant:
         p = self.params
         return {
             "id": self.id,
-            "groups": [{"group": r.group, "prompt_ids": r.prompt_ids} for r in self.requests],
-            "group_size": self.requests[0].group_size,
+            "groups": [
+                {"group": r.group, "prompt_ids": r.prompt_ids, **({"greedy": True} if r.greedy else {})}
+                for r in self.requests
+            ],
+            "group_size": next((r.group_size for r in self.requests if not r.greedy), 1),
             "params": {"temperature": p.temperature, "top_p": p.top_p, "max_new_tokens": p.max_new_tokens,
                        "seed": p.seed},
             "min_version": self.min_version,
@@ -316,8 +325,11 @@ class LeaseGrant:
         requests = []
         for g in groups:
             g = _map(g, "groups")
-            requests.append(GenerationRequest(_ints(g.get("prompt_ids"), "prompt_ids"), group_size,
-                                              _int(g, "group", 0, 2**63 - 1)))  # fmt: skip
+            greedy = g.get("greedy", False)
+            if not isinstance(greedy, bool):
+                raise MessageError("'greedy' must be true or false")
+            requests.append(GenerationRequest(_ints(g.get("prompt_ids"), "prompt_ids"), 1 if greedy else group_size,
+                                              _int(g, "group", 0, 2**63 - 1), greedy))  # fmt: skip
         p = _map(msg.get("params"), "params")
         params = SamplingParams(
             _float(p, "temperature", 1e-6, 100.0), _float(p, "top_p", 1e-6, 1.0),

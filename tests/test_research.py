@@ -128,7 +128,7 @@ def test_full_weight_run_exports_and_refuses_adapters(tmp_path):
         (["--eval-every", "-1"], "eval.eval_every"),
         (["--eval-task-args", "max_value=5"], "needs --eval-task"),
         (["--eval-every", "1", "--eval-task", "chess"], "unknown task 'chess'"),
-        (["--eval-every", "1", "--swarm"], "with --colocated only so far"),
+        (["--eval-every", "3", "--publish-every", "2", "--staleness", "2", "--swarm"], "multiple of --publish-every"),
     ],
 )
 def test_bad_evaluation_settings_are_one_line_errors(tmp_path, args, message):
@@ -149,3 +149,52 @@ def test_a_jsonl_task_has_no_held_out_split_to_evaluate_on(tmp_path):
 def test_eval_names_a_missing_checkpoint(tmp_path):
     res = run_cli("eval", str(tmp_path))
     assert res.returncode == 2 and "holds no checkpoint" in res.stderr
+
+
+def test_a_swarm_evaluates_on_workers_as_echo_rl_eval_does(swarm, tmp_path):
+    """--eval-every in a swarm: the held-out set goes to a worker as one lease (verified like any other), the
+    initial, every 2nd and the last version are evaluated, and the figures of the last one equal
+    `echo-rl eval` on its checkpoint: the same prompts and draws, sampled by llama.cpp from the same weights."""
+    train = write_jsonl(tmp_path / "train.jsonl", [f"Say {i}." for i in range(5)])
+    held_out = write_jsonl(tmp_path / "eval.jsonl", [f"Tell me about {w}." for w in "abcdefgh"])
+    learner = swarm.learner(
+        "--steps", "4", "--task", f"jsonl:{train}", "--task-args", "reward=tests.rewards:starts_ascii",
+        "--eval-every", "2", "--eval-task", f"jsonl:{held_out}", "--eval-task-args", "reward=tests.rewards:text_hash",
+        "--eval-prompts", "8", "--eval-samples", "3", "--verify-first", "1000",  # every group of a new worker: 50%
+    )  # fmt: skip
+    swarm.worker("w1")
+    swarm.worker("w2")
+    assert swarm.wait(learner, 300) == 0, swarm.log("learner")[-3000:]
+    rows = swarm.metrics()
+    initial = [r["eval_initial"] for r in rows if "eval_initial" in r]
+    evals = [e["version"] for r in rows for e in [*r.get("eval_earlier", []), *([r["eval"]] if "eval" in r else [])]]
+    assert [e["version"] for e in initial] == [0] and len(evals) == 2 and 2 <= evals[0] <= 3, (initial, evals)
+    assert evals[-1] == 4 and rows[-1]["eval"]["version"] == 4  # the run's end waited for its last evaluation
+    res = run_cli("eval", str(swarm.run_dir), "--step", "4", "--json")
+    assert res.returncode == 0, res.stderr
+    standalone = json.loads(res.stdout)
+    assert {k: standalone[k] for k in EVAL_KEYS} == {k: rows[-1]["eval"][k] for k in EVAL_KEYS}
+    assert rows[-1]["groups_dropped_flagged"] == 0 and "flagged" not in swarm.log("learner")
+
+
+def test_the_verifier_flags_a_greedy_completion_that_is_not_greedy(tiny):
+    """Greedy completions have no draws to replay: each token must be the most likely one under the version."""
+    from learner.orchestrate.rollouts import Rollout
+    from learner.orchestrate.verify import RolloutVerifier
+    from learner.train.wire_weights import wire_tensors
+
+    model = tiny.model.eval()
+    verifier = RolloutVerifier(lambda: type(model)(model.config), 1.0, 1.0, first=1, fraction=1.0,
+                               tolerance=0.02, draw_tolerance=0.02)  # fmt: skip
+    verifier.remember(0, wire_tensors(model), None)
+    prompt, tokens = tiny.render_prompt("Say 1."), []
+    with torch.no_grad():
+        for _ in range(6):  # greedy decoding in float32
+            tokens.append(int(model(torch.tensor([prompt + tokens])).logits[0, -1].argmax()))
+    honest = [Rollout(prompt, tokens, [0.0] * 6, 0.0, 0.0, 0)]
+    assert verifier.check_greedy("honest", 0, honest) < 1e-6 and "honest" not in verifier.flagged
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens[:3]])).logits[0, -1]
+    forged = tokens[:3] + [int(logits.argmin())] + tokens[4:]  # the least likely token in place of the 4th
+    assert verifier.check_greedy("forger", 0, [Rollout(prompt, forged, [0.0] * 6, 0.0, 0.0, 0)]) > 0.1
+    assert "not the most likely" in verifier.flagged["forger"]

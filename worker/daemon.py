@@ -48,7 +48,7 @@ from p2p.messages import (
     describe_hardware,
 )
 from worker.config import WorkerConfig
-from worker.engines import make_engine
+from worker.engines import generate_lease, make_engine
 from worker.fetcher import VersionFetcher
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ class WorkerDaemon:
         log.debug("lease %d: %d groups on v%d", lease.id, len(requests), version)
         self.state = f"generating lease {lease.id} ({len(requests)} groups) on v{version}"
         tick = time.perf_counter()
-        groups = self.engine.generate(requests, lease.params)
+        groups = generate_lease(self.engine, requests, lease.params)  # greedy groups: held-out evaluation
         elapsed = time.perf_counter() - tick
         tokens = sum(len(c.tokens) for g in groups for c in g)
         self.tokens_per_s = tokens / max(elapsed, 1e-9)

@@ -16,6 +16,8 @@ import time
 from typing import Any
 
 from learner.config import LearnerConfig
+from learner.evaluation import Evaluator, eval_task
+from learner.orchestrate.evaluations import EvalBoard
 from learner.orchestrate.intake import PromptBook, RolloutIntake, rollout_limits
 from learner.orchestrate.journal import JournalState, RolloutJournal
 from learner.orchestrate.leases import LeaseTable
@@ -101,6 +103,11 @@ class LearnerService:
             cfg, spec.vocab_size, self.prompts, self.versions, self.leases, verifier, journal, self.buffer,
             self.scheduler, self._sched_lock,
         )  # fmt: skip
+        self.evals: EvalBoard | None = None
+        if cfg.eval.eval_every:  # a held-out evaluation is one lease, as long as that many training leases
+            work = cfg.eval.eval_prompts * (1 + cfg.eval.eval_samples) / (swarm.groups_per_lease * grpo.group_size)
+            evaluator = Evaluator.for_run(cfg, policy, eval_task(cfg))
+            self.evals = self.intake.evals = EvalBoard(evaluator, verifier, swarm.lease_timeout * max(1.0, work))
         self.workers: dict[str, WorkerRecord] = {}
         self.gathered = cfg.swarm.min_workers <= 1  # swarm.min_workers hold a version: leases may start
         self.declined: dict[str, int] = {}  # lease requests not granted, by admission's reason
@@ -158,6 +165,8 @@ class LearnerService:
             for peer, seconds in self.leases.drain_expirations():  # nothing delivered: measured as such
                 self.scheduler.lease_expired(peer, seconds)
             for peer in self.scheduler.drop_silent(now):
+                if self.evals is not None:
+                    self.evals.forget_worker(peer)
                 requeued = self.leases.requeue_worker(peer)
                 log.info("worker %s went silent: %d of its leases go to others", peer[-8:], requeued)
                 with self._lock:
@@ -230,6 +239,9 @@ class LearnerService:
         if not self._gather():
             self._decline("gathering")
             return LeaseReply(wait=0.5, newest=versions.published).to_wire()
+        evaluation = self.evals.offer(peer, request.version) if self.evals is not None else None
+        if evaluation is not None:  # held-out evaluation first: any worker holding the version may do it
+            return LeaseReply(evaluation).to_wire()
         batch_groups, buffered, leased = self.groups_per_batch(), len(self.buffer), self.leases.outstanding_groups()
         made, started = versions.newest_made(), self.step_started
         with self._sched_lock:
@@ -338,6 +350,7 @@ class LearnerService:
                 "flagged": dict(verifier.flagged),
                 "groups_dropped": self.buffer.dropped_flagged,
             },
+            "evaluation": None if self.evals is None else self.evals.summary(),
             "penalties": dict(self.host.guard.counts),
             "banned": self.host.guard.banned_peers(),
             "peers": peers,

@@ -18,6 +18,7 @@ import threading
 import time
 
 from learner.config import LearnerConfig
+from learner.orchestrate.evaluations import EvalBoard
 from learner.orchestrate.journal import RolloutJournal
 from learner.orchestrate.leases import Lease, LeaseError, LeaseTable
 from learner.orchestrate.replay import ReplayBuffer
@@ -69,12 +70,15 @@ class RolloutIntake:
         self.cfg, self.vocab_size, self.prompts, self.versions = cfg, vocab_size, prompts, versions
         self.leases, self.verifier, self.journal, self.buffer = leases, verifier, journal, buffer
         self.scheduler, self._sched_lock = scheduler, scheduler_lock
+        self.evals: EvalBoard | None = None  # held-out evaluation leases (learner.orchestrate.evaluations)
         self.tokens_accepted = 0  # completion tokens of all accepted rollouts: mean length turns tokens/s to rollouts/s
         self._lock = threading.Lock()
 
     def submit(self, worker: WorkerRecord, msg: dict) -> RolloutReply:
         arrived = time.monotonic()  # the worker's lease time ends here, not after our own checks
         peer, cfg = worker.peer_id, self.cfg
+        if self.evals is not None and self.evals.holds(msg.get("lease")):
+            return self._take_evaluation(worker, msg)
         try:
             submission = RolloutSubmission.from_wire(
                 msg, cfg.grpo.group_size, cfg.sampler.max_new_tokens, self.vocab_size
@@ -155,23 +159,51 @@ class RolloutIntake:
             if self.verifier.check(peer, submission.version, lease_id, group.group, rollouts) is not None:
                 checked += 1
             if peer in self.verifier.flagged:
-                self.leases.requeue_worker(peer)  # none of its leases will be accepted any more
-                dropped = self.buffer.drop_worker(peer)
-                self.journal.drop([g.group_id for g in dropped])
-                log.warning(
-                    "worker %s flagged: %s; %d of its groups dropped from the buffer",
-                    peer[-8:], self.verifier.flagged[peer], len(dropped),
-                )  # fmt: skip
-                raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
+                self._drop_flagged(peer)
         return checked
+
+    def _drop_flagged(self, peer: str) -> None:
+        """A worker the verifier flagged: its leases go to others, its groups leave the buffer and the journal."""
+        self.leases.requeue_worker(peer)  # none of its leases will be accepted any more
+        dropped = self.buffer.drop_worker(peer)
+        self.journal.drop([g.group_id for g in dropped])
+        log.warning(
+            "worker %s flagged: %s; %d of its groups dropped from the buffer",
+            peer[-8:], self.verifier.flagged[peer], len(dropped),
+        )  # fmt: skip
+        raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
+
+    def _take_evaluation(self, worker: WorkerRecord, msg: dict) -> RolloutReply:
+        """An evaluation lease's completions (learner.orchestrate.evaluations), verified like training groups."""
+        assert self.evals is not None
+        peer = worker.peer_id
+        try:
+            result, checked = self.evals.submit(peer, msg, self.vocab_size, self.cfg.sampler.max_new_tokens)
+        except (MessageError, BadRequest, Misbehaviour):
+            worker.refused += 1
+            if peer in self.verifier.flagged:
+                self._drop_flagged(peer)
+            raise
+        self.verifier.accepted(peer, checked)
+        log.info(
+            "held-out evaluation of v%d by %s: accuracy %.3f, pass@%d %.3f (%d prompts, %.0fs)",
+            result["version"], peer[-8:], result["accuracy"], result["k"], result["pass_at_k"], result["prompts"],
+            result["seconds"],
+        )  # fmt: skip
+        return RolloutReply(2 * result["prompts"])
 
 
 def rollout_limits(cfg: LearnerConfig) -> FrameLimits:
     """What one rollout submission may hold: a lease's groups of G completions of at most max_new_tokens
-    tokens, at most 16 bytes of msgpack per token (an int and a float64) plus framing; twice that, as slack."""
+    tokens, at most 16 bytes of msgpack per token (an int and a float64) plus framing; twice that, as slack.
+    With --eval-every, at least an evaluation lease's completions."""
     grpo, tokens = cfg.grpo, cfg.sampler.max_new_tokens
-    size = cfg.swarm.groups_per_lease * grpo.group_size * (16 * tokens + 64) + 4096
+    completions, groups = cfg.swarm.groups_per_lease * grpo.group_size, cfg.swarm.groups_per_lease
+    if cfg.eval.eval_every:  # an evaluation lease: a greedy and a k-sample group per held-out prompt
+        completions = max(completions, cfg.eval.eval_prompts * (1 + cfg.eval.eval_samples))
+        groups = max(groups, 2 * cfg.eval.eval_prompts)
+    size = completions * (16 * tokens + 64) + 4096
     return FrameLimits(
-        max_bytes=2 * size, max_array=max(tokens, grpo.group_size, cfg.swarm.groups_per_lease, 16),
+        max_bytes=2 * size, max_array=max(tokens, grpo.group_size, cfg.eval.eval_samples, groups, 16),
         max_map=16, max_str=64, max_bin=0,
     )  # fmt: skip

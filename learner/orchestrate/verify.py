@@ -20,6 +20,13 @@ refused and every group of that worker still in the buffer is dropped. Honest ll
 GGUF, its own kernels) differs from torch only by rounding; `echo-rl bench verify` measures that noise
 and how far forgeries land.
 
+Greedy completions (held-out evaluation, learner.orchestrate.evaluations) have no draws: each token must be
+the most likely one under version x, up to the rounding noise between llama.cpp's F16 and float32 logits:
+
+    greedy gap           g = max over the group's tokens of (max_t' z_x(t') - z_x(t))   (z: logits)
+
+and a worker whose g exceeds GREEDY_GAP is flagged like any other forger.
+
 Which groups: each group independently, with probability `new_fraction` until `first` of a worker's
 groups were verified and accepted, `fraction` after, drawn from the operating system's randomness, so
 nothing a worker sees (not the run seed, not its lease ids) tells which of its groups will be checked.
@@ -46,6 +53,7 @@ from p2p.weights import lora_deltas, to_float32
 log = logging.getLogger(__name__)
 
 CAP = 10.0  # nats: one token outside the recomputed nucleus must not make d infinite
+GREEDY_GAP = 0.1  # logits: ten times the F16-vs-float32 noise of a near-tie; a substituted token is far below
 
 
 def merged_weights(
@@ -100,6 +108,20 @@ def replay_sampling(
     return torch.cat(logprobs, dim=1).cpu(), torch.cat(misses, dim=1).cpu()  # [K, N] each
 
 
+def greedy_gaps(model: torch.nn.Module, batch: list[Rollout]) -> torch.Tensor:
+    """For every completion token of `batch`: how far its logit lies below the most likely token's: [N]."""
+    ids, mask, rows_t, cols_t = pack_completions(batch, model_device(model))  # [B, T], [B, T], [N], [N]
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1)
+    hidden = out.hidden_states[-1][rows_t, cols_t]  # [N, H]
+    targets = ids[rows_t, cols_t + 1]  # [N]
+    gaps = []
+    for start in range(0, len(targets), ROWS_PER_BLOCK):
+        block = slice(start, start + ROWS_PER_BLOCK)
+        logits = model.lm_head(hidden[block]).double()  # [n, V]
+        gaps.append(logits.max(dim=-1).values - logits.gather(1, targets[block][:, None])[:, 0])
+    return torch.cat(gaps).cpu()  # [N]
+
+
 def divergence(reported: list[float], recomputed: torch.Tensor) -> float:
     """Mean over tokens of min(|reported - recomputed|, CAP) in nats; `recomputed` [K, N]: the closest row
     counts for each token."""
@@ -141,6 +163,7 @@ class RolloutVerifier:
         self.divergences: deque[float] = deque(maxlen=1000)  # of the newest verified groups, for status
         self.draw_misses: deque[float] = deque(maxlen=1000)
         self.flagged: dict[str, str] = {}  # worker -> why
+        self.pinned: set[int] = set()  # versions kept whatever their age (an evaluation lease is out on them)
         self._rng = random.SystemRandom()  # the OS's randomness: no seed a worker could learn
         self._model: torch.nn.Module | None = None
         self._loaded = -1
@@ -158,8 +181,17 @@ class RolloutVerifier:
             self.versions[version] = (tensors, adapter_base)
             bases = {b for _, b in self.versions.values() if b is not None}
             for old in sorted(self.versions)[: -self.keep]:
-                if old not in bases:
+                if old not in bases and old not in self.pinned:
                     del self.versions[old]
+
+    def pin(self, version: int) -> None:
+        """Keep `version` until unpin(): an evaluation lease on it may come back later than the window."""
+        with self._lock:
+            self.pinned.add(version)
+
+    def unpin(self, version: int) -> None:
+        with self._lock:
+            self.pinned.discard(version)
 
     def held_gib(self) -> float:
         """Memory held: the kept versions' wire tensors and the float32 replay model, GiB."""
@@ -207,6 +239,22 @@ class RolloutVerifier:
                     f"token's interval by {m:.4f} (tolerance {self.draw_tolerance})"
                 )
         return d
+
+    def check_greedy(self, worker: str, version: int, group: list[Rollout]) -> float | None:
+        """The greedy gap g of a group's completions under `version`; flags the worker when g > GREEDY_GAP.
+        None if that version is no longer kept."""
+        with self._lock:
+            if version not in self.versions:
+                return None
+            self._load_locked(version)
+            with torch.no_grad():
+                gap = float(greedy_gaps(self._model, group).max())
+            if gap > GREEDY_GAP:
+                self.flagged[worker] = (
+                    f"greedy tokens are not the most likely under v{version}: one lies {gap:.3f} below "
+                    f"(tolerance {GREEDY_GAP})"
+                )
+        return gap
 
     def recent(self) -> tuple[list[float], list[float]]:
         """The divergences and draw misses of the newest checked groups (a copy: handlers add to them)."""

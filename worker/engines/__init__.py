@@ -8,8 +8,12 @@ heartbeat) and two ways to change its weights:
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from p2p.messages import Completion, GenerationRequest, SamplingParams
 
 
 def make_engine(
@@ -28,3 +32,14 @@ def make_engine(
 
         return TransformersEngine(threads=threads, max_batch=max_batch, device=device)
     raise ValueError(f"unknown engine {name!r}; choose llamacpp or transformers")
+
+
+def generate_lease(
+    engine: Any, requests: Sequence[GenerationRequest], params: SamplingParams
+) -> list[list[Completion]]:
+    """A lease's groups in order: greedy ones (held-out evaluation) at temperature 0, the rest with `params`."""
+    greedy = [r for r in requests if r.greedy]
+    sampled = [r for r in requests if not r.greedy]
+    done = iter(engine.generate(greedy, dataclasses.replace(params, temperature=0.0)) if greedy else [])
+    rest = iter(engine.generate(sampled, params) if sampled else [])
+    return [next(done) if r.greedy else next(rest) for r in requests]
