@@ -7,7 +7,8 @@ callables, and the primitives of a scripted experiment (docs/api.md).
         print(record["step"], record["reward_mean"])
 
 The primitives follow the Tinker SDK's names (TrainingClient.forward_backward, optim_step,
-save_weights_and_get_sampling_client, SamplingClient.sample), synchronous and in this process.
+save_weights_and_get_sampling_client, SamplingClient.sample), synchronous and in this process;
+SwarmTrainingClient samples through a swarm instead (save_weights_for_sampler publishes to the workers).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from echo_rl.client import SamplingClient, TrainingClient
+from echo_rl.client import SamplingClient, SwarmTrainingClient, TrainingClient
 from echo_rl.swarm import LocalSwarm, local_swarm
 from learner.config import (
     EvalConfig,
@@ -36,8 +37,8 @@ Config = LearnerConfig
 
 __all__ = [
     "Config", "RunConfig", "ModelConfig", "TaskConfig", "GRPOConfig", "SamplerConfig", "SwarmConfig", "EvalConfig",
-    "Problem", "Task", "FunctionTask", "make_task", "train", "TrainingClient", "SamplingClient", "LocalSwarm",
-    "local_swarm",
+    "Problem", "Task", "FunctionTask", "make_task", "train", "TrainingClient", "SamplingClient",
+    "SwarmTrainingClient", "LocalSwarm", "local_swarm",
 ]  # fmt: skip
 
 

@@ -14,6 +14,7 @@ whose weights were replaced by a newer save refuses to sample rather than sample
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from learner.tasks import Problem, Task
 from learner.train.checkpoint import save_checkpoint
 from learner.train.models import model_spec
 from learner.train.wire_weights import wire_tensors
+from p2p.config import ConfigError
 from p2p.messages import GenerationRequest, SamplingParams
 
 
@@ -38,22 +40,15 @@ class Sample:
     text: str
 
 
-class TrainingClient:
-    """A policy being trained in this process: the run directory of `cfg` (metrics, checkpoints), the GRPO
-    trainer and a sampler engine that holds the weights last saved for sampling."""
+class _Optimizer:
+    """What both clients share: a run directory of `cfg`, its GRPO trainer, the optimizer steps taken."""
 
-    def __init__(self, cfg: LearnerConfig, task: Task | None = None, resume: bool = False) -> None:
-        from echo_cli.research import sampler_engine
-
+    def __init__(self, cfg: LearnerConfig, task: Task | None) -> None:
         cfg.validate()
         self.cfg = cfg
-        self.run = open_run(cfg, resume, task=task)
+        self.run = open_run(cfg, resume=False, task=task)
         self.policy, self.trainer, self.task = self.run.policy, self.run.trainer, self.run.task
-        self.spec = model_spec(self.policy)
-        self.engine = sampler_engine(cfg, self.run.run_dir / "sampler")
-        self.engine.load_policy(self.spec, wire_tensors(self.policy.model))
-        self.step = self.run.start_step  # optimizer steps taken
-        self.sampler_step = self.step  # the step whose weights the sampler holds
+        self.step = 0  # optimizer steps taken
 
     def forward_backward(self, rollouts: Sequence[Rollout]) -> dict[str, float]:
         """Add the GRPO loss's gradient on `rollouts` to the accumulated gradient (learner.train.trainer)."""
@@ -63,6 +58,31 @@ class TrainingClient:
         """Clip the accumulated gradient and take one optimizer step with it."""
         self.step += 1
         return self.trainer.optim_step()
+
+    def save_state(self) -> Path:
+        """A checkpoint of the weights and optimizer in RUN_DIR/checkpoints, which `echo-rl eval`, `export` and
+        `learner start --resume` read."""
+        state = {"wall_s": 0.0, "config": dataclasses.asdict(self.cfg)}
+        path = save_checkpoint(
+            self.run.run_dir, self.step, self.policy.model, self.trainer.optimizer, state,
+            self.cfg.run.keep_checkpoints,
+        )  # fmt: skip
+        assert path is not None  # one process: it is the leader
+        return path
+
+
+class TrainingClient(_Optimizer):
+    """A policy being trained in this process: the run directory of `cfg` (metrics, checkpoints), the GRPO
+    trainer and a sampler engine that holds the weights last saved for sampling."""
+
+    def __init__(self, cfg: LearnerConfig, task: Task | None = None) -> None:
+        from echo_cli.research import sampler_engine
+
+        super().__init__(cfg, task)
+        self.spec = model_spec(self.policy)
+        self.engine = sampler_engine(cfg, self.run.run_dir / "sampler")
+        self.engine.load_policy(self.spec, wire_tensors(self.policy.model))
+        self.sampler_step = self.step  # the step whose weights the sampler holds
 
     def save_weights_and_get_sampling_client(self) -> SamplingClient:
         """Load the current weights into the sampler (a LoRA run: only its adapters) and sample from them."""
@@ -79,17 +99,6 @@ class TrainingClient:
         prompts = [group[0].prompt_ids for group in groups]
         scored = score_groups(self.task, self.policy, list(problems), prompts, [list(g) for g in groups], self.step)
         return [r for group in scored for r in group]
-
-    def save_state(self) -> Path:
-        """A checkpoint of the weights and optimizer in RUN_DIR/checkpoints, which `echo-rl eval`, `export` and
-        `learner start --resume` read."""
-        state = {"wall_s": 0.0, "config": dataclasses.asdict(self.cfg)}
-        path = save_checkpoint(
-            self.run.run_dir, self.step, self.policy.model, self.trainer.optimizer, state,
-            self.cfg.run.keep_checkpoints,
-        )  # fmt: skip
-        assert path is not None  # one process: it is the leader
-        return path
 
 
 class SamplingClient:
@@ -124,3 +133,75 @@ class SamplingClient:
             [Sample(p, c.tokens, c.logprobs, decode(c.tokens)) for c in group]
             for p, group in zip(ids, groups, strict=True)
         ]
+
+
+class SwarmTrainingClient(_Optimizer):
+    """A scripted experiment that samples through a swarm: the weights it publishes reach workers by the
+    peer-assisted broadcast; workers generate rollouts for its task's prompts, which it leases, verifies and
+    scores as `echo-rl learner start` does; it trains on them with forward_backward and optim_step.
+
+    Workers join `address` (`echo-rl worker join --learner ADDRESS`, also written to RUN_DIR/learner.addr).
+    Use it in a `with` block, or call close(): it stops serving the swarm."""
+
+    def __init__(self, cfg: LearnerConfig, task: Task | None = None) -> None:
+        from learner.swarm_side import start_swarm
+
+        if cfg.eval.eval_every:
+            raise ConfigError(
+                "SwarmTrainingClient does not evaluate during training: set cfg.eval.eval_every = 0 and run "
+                "`echo-rl eval` on the checkpoints save_state() writes"
+            )
+        super().__init__(cfg, task)
+        self.swarm = start_swarm(cfg, self.run, resume=False)
+        self.address = self.swarm.host.addrs[0]
+        self.published = -1  # the newest version published
+        self._stepped = time.monotonic()  # when the last optimizer step ended (the scheduler's step time)
+        self._sampled = self._stepped
+        self.swarm.service.advance(0)
+        self.save_weights_for_sampler()
+
+    def save_weights_for_sampler(self) -> int:
+        """Publish the current weights as version `step` (signed, chunked, seeded to the workers, who lease with
+        it from now on) and return that version."""
+        if self.published != self.step:
+            self.swarm.publish(self.step, self.swarm.snapshot())
+            self.published = self.step
+        return self.step
+
+    def sample(self, timeout_s: float = 600.0) -> list[Rollout]:
+        """The rollouts of one batch: grpo.prompts_per_step groups of grpo.group_size completions that workers
+        generated within the staleness bound (with dynamic sampling: groups whose rewards differ), verified
+        and scored here. TimeoutError if they do not come within `timeout_s` (are workers joined?)."""
+        service = self.swarm.service
+        service.waiting_for_batch()
+        deadline = time.monotonic() + timeout_s
+        taken = None
+        while taken is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no batch from the swarm within {timeout_s:.0f} s: workers join {self.address}")
+            taken = service.buffer.take(self.cfg.grpo.prompts_per_step, self.step, timeout=1.0)
+            service.leases.expire()
+        batch, set_aside = taken
+        self.swarm.journal.step(self.step + 1, batch, set_aside)
+        self._sampled = time.monotonic()
+        return [r for group in batch for r in group.rollouts]
+
+    def optim_step(self) -> dict[str, float]:
+        """One optimizer step (see forward_backward); the swarm's leases are measured against the new version."""
+        stats = super().optim_step()
+        now = time.monotonic()
+        service = self.swarm.service
+        service.advance(self.step)
+        service.schedule(self.step, now - self._sampled, now - self._stepped, trained=not stats["skipped"])
+        self._stepped = now
+        return stats
+
+    def close(self) -> None:
+        self.swarm.close()
+        self.run.close()
+
+    def __enter__(self) -> SwarmTrainingClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -7,53 +7,27 @@
                                                       encoded in the background while the next step trains)
         record metrics (utilisation = training time / wall time), checkpoint every K steps
 
-The learner keeps its identity (RUN_DIR/learner.key) and its port (RUN_DIR/learner.addr) across
-restarts, so workers find it again after `--resume`.
+The swarm side (host, seeder, publisher, journal, verifier, handlers) is learner.swarm_side's; this loop
+drives it step by step.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
-import os
-import secrets
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
-
-import multiaddr
-from transformers import AutoModelForCausalLM
 
 from learner.config import LearnerConfig
 from learner.evaluation import eval_task
 from learner.orchestrate.handlers import LearnerService
-from learner.orchestrate.journal import JournalState, RolloutJournal, group_of, read_journal
-from learner.orchestrate.publisher import Publisher
-from learner.orchestrate.verify import RolloutVerifier
+from learner.orchestrate.journal import group_of
 from learner.run import Phases, Run, batch_metrics, open_run
+from learner.swarm_side import start_swarm
 from learner.train.data_parallel import full_state, init_world, leave
-from learner.train.models import model_spec
-from p2p.auth import AUTH, SwarmAuth, read_allow_list, read_secret
-from p2p.broadcast import ChunkStore, Seeder
 from p2p.config import ConfigError
-from p2p.host import Host, HostConfig
-from p2p.identity import load_identity
 
 log = logging.getLogger(__name__)
-
-
-def listen_addr(cfg: LearnerConfig, run_dir: Path) -> str:
-    """The configured listen multiaddr; port 0 reuses the port of this run's previous start, if any."""
-    addr = multiaddr.Multiaddr(cfg.swarm.listen)
-    previous = run_dir / "learner.addr"
-    if addr.value_for_protocol("tcp") == "0" and previous.exists():
-        try:
-            port = multiaddr.Multiaddr(previous.read_text().strip()).value_for_protocol("tcp")
-            return cfg.swarm.listen.replace("/tcp/0", f"/tcp/{port}")
-        except Exception:  # noqa: BLE001 - an unreadable old address just means a new port
-            pass
-    return cfg.swarm.listen
 
 
 def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict]:
@@ -68,59 +42,17 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
         )
     if every:
         eval_task(cfg)  # a bad evaluation task fails before the model loads
-    secret = read_secret(cfg.swarm.secret_file) if cfg.swarm.secret_file else None
-    allow = read_allow_list(cfg.swarm.allow) if cfg.swarm.allow else None
     world = init_world(cfg.model.device)
     run = open_run(cfg, resume, world)
     if not world.leader:
         follow(run)
         leave(world)
         return
-    policy, trainer, grpo = run.policy, run.trainer, cfg.grpo
-    host_cfg = HostConfig(
-        listen=[listen_addr(cfg, run.run_dir)],
-        read_timeout=cfg.swarm.read_timeout,
-        upload_bps=cfg.swarm.upload_bps or None,
-    )
-    host = Host(load_identity(run.run_dir / "learner.key"), host_cfg)
-    host.start()
-    addr_file = run.run_dir / "learner.addr"
-    addr_file.unlink(missing_ok=True)  # the previous start's address is no sign that this one is ready
-    journal: RolloutJournal | None = None
+    trainer, grpo = run.trainer, cfg.grpo
+    side = start_swarm(cfg, run, resume)
     try:
-        auth = SwarmAuth(host.peer_id, secret, allow)
-        host.gate = auth.allows
-        host.handle(AUTH, auth.on_auth, guarded=False)
-        store = ChunkStore(spill_dir=run.run_dir / "chunks", memory_budget=cfg.swarm.chunk_memory_mb << 20)
-        seeder = Seeder(host, store)
-        publisher = Publisher(
-            seeder,
-            run_id=secrets.token_hex(8),
-            full_every=cfg.swarm.full_every,
-            dtype=cfg.swarm.wire_dtype,
-            lora=cfg.model.lora_rank > 0,
-            topk=cfg.swarm.wire_topk,
-        )
-        # the journal: accepted groups and each step's batch, so that a killed learner loses none of them
-        resumed = read_journal(run.run_dir, run.start_step) if resume else JournalState()
-        journal = RolloutJournal(run.run_dir, staleness=0 if cfg.swarm.sync_mode == "pull" else cfg.swarm.staleness)
-        journal.open(run.start_step, resumed)
-        swarm = cfg.swarm
-        verifier = RolloutVerifier(
-            lambda: AutoModelForCausalLM.from_config(copy.deepcopy(policy.model.config)),
-            cfg.sampler.temperature, cfg.sampler.top_p, swarm.verify_first, swarm.verify_fraction,
-            swarm.verify_tolerance, swarm.verify_draw_tolerance,
-            lora_scale=cfg.model.lora_alpha / max(cfg.model.lora_rank, 1),
-            keep=swarm.staleness + swarm.publish_every + 1, device=world.device,
-        )  # fmt: skip
-        service = LearnerService(
-            seeder, cfg, policy, run.task, model_spec(policy), publisher.run_id, journal, verifier, resumed
-        )
-        # the address file says "ready": written only once every protocol has its handler, so that a
-        # worker or `status` dialing it at once is answered rather than told "protocol not supported"
-        addr_file.with_suffix(".tmp").write_text(host.addrs[0] + "\n")
-        os.replace(addr_file.with_suffix(".tmp"), addr_file)
-        log.info("learner listening on %s", host.addrs[0])
+        service, journal, resumed = side.service, side.journal, side.resumed
+        verifier, seeder, publisher = side.verifier, side.seeder, side.publisher
         for group_id in resumed.pending():  # accepted before the restart, not trained on yet
             service.buffer.add(group_of(resumed.groups[group_id]))
         replay = {s: r for s, r in resumed.steps.items() if s > run.start_step}
@@ -132,16 +64,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
         version = run.start_step
         service.advance(version)
 
-        def publish(version: int, tensors: dict) -> None:
-            tensors = publisher.carry(tensors)  # what workers will hold (the largest changes, with wire_topk < 1)
-            manifest = publisher.publish(version, tensors)
-            verifier.remember(version, tensors, manifest.adapter_base)
-            service.mark_published(version, manifest.payload_size)
-
-        def snapshot() -> dict:  # with several ranks, every rank takes part in gathering the weights
-            return publisher.snapshot(policy.model, full_state(policy.model, world))
-
-        publish(version, snapshot())
+        side.publish(version, side.snapshot())
         evals = service.evals  # held-out evaluation leases (learner.orchestrate.evaluations), with --eval-every
         if evals is not None and run.start_step == 0:
             evals.request(0)  # the initial policy: the baseline
@@ -182,7 +105,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                 with phases("publish"):
                     if pending is not None:
                         pending.result()  # also raises if it failed
-                    pending = publishing.submit(publish, version, snapshot())
+                    pending = publishing.submit(side.publish, version, side.snapshot())
 
             # 4. held-out evaluation of the published versions every N steps, and of the last one: a lease
             #    to a worker; the run's end waits for its result
@@ -251,10 +174,8 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
         publishing.shutdown()
         leave(world)
     finally:
-        host.stop()
+        side.close()
         run.close()
-        if journal is not None:
-            journal.close()
 
 
 def wait_for_evaluation(service: LearnerService, version: int) -> None:
