@@ -37,6 +37,19 @@ def fetch_status(host: Host, addr: str, timeout: float) -> dict:
         raise StatusError(f"learner at {addr} did not answer within {timeout:g}s: {exc}") from None
 
 
+def evaluation_line(evaluation: dict) -> str:
+    """The newest held-out evaluation (learner.orchestrate.evaluations) and what is still to come."""
+    from echo_cli.live import held_out
+
+    last, leased = evaluation.get("last"), evaluation.get("leased")
+    line = "none yet" if last is None else f"v{last['version']}: {held_out(last)} ({last['prompts']} prompts)"
+    if leased:
+        line += f"; v{leased['version']} being evaluated by {leased['worker']}"
+    elif evaluation.get("pending"):
+        line += f"; waiting for a worker holding v{evaluation['pending'][0]}"
+    return line
+
+
 def render(doc: dict) -> Group:
     run = Table(title=f"learner {doc['peer_id'][-12:]}  run {doc['run_id']}", show_header=False)
     util = doc.get("utilisation")
@@ -54,6 +67,7 @@ def render(doc: dict) -> Group:
         ),
         ("rollouts/s", f"{doc['rollouts_per_s']:.2f}"),
         ("verification", verification_line(doc)),
+        *([("held-out", evaluation_line(doc["evaluation"]))] if doc.get("evaluation") else []),
         ("address", doc["addrs"][0] if doc["addrs"] else "-"),
     ]
     for key, value in rows:

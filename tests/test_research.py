@@ -175,6 +175,10 @@ def test_a_swarm_evaluates_on_workers_as_echo_rl_eval_does(swarm, tmp_path):
     standalone = json.loads(res.stdout)
     assert {k: standalone[k] for k in EVAL_KEYS} == {k: rows[-1]["eval"][k] for k in EVAL_KEYS}
     assert rows[-1]["groups_dropped_flagged"] == 0 and "flagged" not in swarm.log("learner")
+    from echo_cli.status import evaluation_line
+
+    done = {"pending": [], "leased": None, "issued": 3, "expired": 0, "last": rows[-1]["eval"]}
+    assert evaluation_line(done).startswith("v4: acc ") and "pass@3" in evaluation_line(done)
 
 
 def test_the_verifier_flags_a_greedy_completion_that_is_not_greedy(tiny):

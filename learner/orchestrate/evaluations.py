@@ -45,6 +45,7 @@ class EvalBoard:
         self.lease: EvalLease | None = None
         self.taking: EvalLease | None = None  # a lease whose completions are being checked: none is offered meanwhile
         self.results: list[dict] = []  # finished evaluations not yet put in a step's record
+        self.last: dict | None = None  # the newest finished evaluation, for status
         self.issued = self.expired = 0
         self._lock = threading.Lock()
 
@@ -81,11 +82,14 @@ class EvalBoard:
         )
 
     def summary(self) -> dict:
-        """For the status document: versions waiting for an evaluation, the lease out, the counts."""
+        """For the status document: versions waiting for an evaluation, the lease out, the counts, the newest result."""
         with self._lock:
             lease = self.lease
             out = None if lease is None else {"worker": lease.worker[-8:], "version": lease.version}
-            return {"pending": list(self.pending), "leased": out, "issued": self.issued, "expired": self.expired}
+            return {
+                "pending": list(self.pending), "leased": out, "issued": self.issued, "expired": self.expired,
+                "last": self.last,
+            }  # fmt: skip
 
     def holds(self, lease_id: object) -> bool:
         with self._lock:
@@ -143,6 +147,7 @@ class EvalBoard:
         }
         with self._lock:
             self.results.append(result)
+            self.last = result
             self.pending = [v for v in self.pending if v > lease.version]
         return result, checked
 
