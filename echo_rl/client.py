@@ -9,6 +9,8 @@
 
 Unlike Tinker's, calls are synchronous (no futures) and the sampler holds one version: a SamplingClient
 whose weights were replaced by a newer save refuses to sample rather than sample from the wrong policy.
+SwarmTrainingClient has the same loop with a swarm as the sampler: save_weights_for_sampler() publishes a
+version to the workers, sample() returns a batch of the task's rollouts they generated.
 """
 
 from __future__ import annotations
