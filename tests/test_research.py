@@ -200,5 +200,5 @@ def test_the_verifier_flags_a_greedy_completion_that_is_not_greedy(tiny):
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens[:3]])).logits[0, -1]
     forged = tokens[:3] + [int(logits.argmin())] + tokens[4:]  # the least likely token in place of the 4th
-    assert verifier.check_greedy("forger", 0, [Rollout(prompt, forged, [0.0] * 6, 0.0, 0.0, 0)]) > 0.1
+    assert verifier.check_greedy("forger", 0, [Rollout(prompt, forged, [0.0] * 6, 0.0, 0.0, 0)]) > 0.25
     assert "not the most likely" in verifier.flagged["forger"]
