@@ -183,6 +183,8 @@ def wait_for_evaluation(service: LearnerService, version: int) -> None:
     evals = service.evals
     assert evals is not None
     deadline = time.monotonic() + 2 * evals.timeout_s
+    if evals.waiting_for(version):  # say why the run has not ended yet: this can take a slow worker minutes
+        log.info("waiting (at most %.0fs) for a worker's held-out evaluation of v%d", 2 * evals.timeout_s, version)
     while evals.waiting_for(version) and time.monotonic() < deadline:
         service.leases.expire()
         time.sleep(0.2)
