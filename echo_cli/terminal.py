@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
 
+from envs import EnvError
 from p2p.config import ConfigError
 from p2p.logs import DemoteLibp2p
 
@@ -35,7 +36,7 @@ def fail(message: str) -> typer.Exit:
 
 def user_errors() -> tuple[type[Exception], ...]:
     """Exceptions whose message is a complete one-line explanation for the user."""
-    errors: list[type[Exception]] = [ConfigError]
+    errors: list[type[Exception]] = [ConfigError, EnvError]
     try:
         from learner.tasks import TaskError
         from learner.train.checkpoint import CheckpointError

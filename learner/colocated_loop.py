@@ -13,11 +13,13 @@ from typing import Protocol
 
 import numpy as np
 
+from envs.episode import play_episodes
 from learner.config import LearnerConfig
 from learner.evaluation import Evaluator, eval_task
 from learner.orchestrate.rollouts import Rollout, has_signal, score_groups, step_seed
 from learner.run import Phases, batch_metrics, open_run
 from learner.tasks import Task
+from learner.tasks.environment import episode_rules
 from learner.train.models import model_spec
 from learner.train.wire_weights import wire_tensors
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams
@@ -42,6 +44,7 @@ def train_colocated(
     held_out = eval_task(cfg, task) if every else None  # a bad evaluation task fails before the model loads
     run = open_run(cfg, resume, task=task)
     policy, task, trainer = run.policy, run.task, run.trainer
+    episodes = episode_rules(task)  # an environment's: its groups are played over several turns
     spec = model_spec(policy)
     engine.load_policy(spec, wire_tensors(policy.model))
     evaluator = Evaluator.for_run(cfg, policy, held_out) if held_out else None
@@ -53,6 +56,7 @@ def train_colocated(
 
             # 1-3. prompts chosen by the learner and seeded by (seed, step); G completions each with the
             #      current policy (version step - 1); rewards scored here, advantages normalised per group.
+            #      An environment: G episodes per seed, played turn by turn, scored by replaying them.
             #      Dynamic sampling: while fewer than P groups carry signal, draw another P prompts
             rng = random.Random(step_seed(cfg.run.seed, step))
             scored: list[list[Rollout]] = []
@@ -65,10 +69,15 @@ def train_colocated(
                     cfg.sampler.max_new_tokens,
                     step_seed(cfg.run.seed + 1 + round_, step),
                 )
+                requests = [
+                    GenerationRequest(p, cfg.grpo.group_size, k, episode=problem.answer if episodes else None)
+                    for k, (p, problem) in enumerate(zip(prompts, problems, strict=True))
+                ]
                 with phases("generate"):
-                    groups = engine.generate(
-                        [GenerationRequest(p, cfg.grpo.group_size, k) for k, p in enumerate(prompts)], params
-                    )
+                    if episodes is not None:
+                        groups = play_episodes(engine.generate, requests, params, episodes)
+                    else:
+                        groups = engine.generate(requests, params)
                 with phases("score"):
                     scored += score_groups(task, policy, problems, prompts, groups, version=step - 1)
                 if sum(map(has_signal, scored)) >= cfg.grpo.prompts_per_step:
@@ -98,7 +107,7 @@ def train_colocated(
                 "step": step,
                 "wall_s": round(time.perf_counter() - t_run, 3),
                 **batch_metrics(scored, stats),
-                "gen_tokens_per_s": sum(len(r.completion_ids) for g in scored for r in g)
+                "gen_tokens_per_s": sum(r.model_tokens for g in scored for r in g)
                 / max(seconds["generate"], 1e-9),
                 "utilisation": seconds["train"] / sum(seconds.values()),  # the learner trains, then waits for itself
                 "seconds": {k: round(v, 4) for k, v in seconds.items()},

@@ -1,7 +1,8 @@
 """Typed configuration of a training run: one dataclass per component, one documented line per field.
 
-A TOML file has one table per component ([run], [model], [task], [grpo], [sampler], [swarm]); every field is
-also a CLI flag of the same name with dashes (`grpo.group_size` -> `--group-size`), see echo_cli.config.
+A TOML file has one table per component ([run], [model], [task], [env], [grpo], [sampler], [swarm], [eval]);
+every field is also a CLI flag of the same name with dashes (`grpo.group_size` -> `--group-size`), see
+echo_cli.config.
 Each field's docstring is its help text. Every default runs.
 """
 
@@ -87,6 +88,25 @@ class TaskConfig:
 
     def validate(self) -> None:
         require(bool(self.task), "task.task", "must not be empty")
+
+
+@dataclass
+class EnvConfig:
+    """A multi-turn environment to train on instead of the single-turn task (envs, docs/environments.md)."""
+
+    env: str = ""
+    """"" (train on --task), sokoban, calculator, kuhn-poker, module:Class (your own class) or verifiers:ENV_ID."""
+    env_args: dict = field(default_factory=dict)
+    """Environment knobs, e.g. {digits = 3} in TOML or --env-args digits=3 (see each environment's docstring)."""
+    max_turns: int = 6
+    """Model turns per episode at most; each samples up to sampler.max_new_tokens tokens."""
+    max_episode_tokens: int = 512
+    """Tokens per episode after its first prompt at most: the model's turns and the observations together."""
+
+    def validate(self) -> None:
+        require(self.max_turns >= 1, "env.max_turns", f"must be >= 1, got {self.max_turns}")
+        require(self.max_episode_tokens >= 2, "env.max_episode_tokens", f"must be >= 2, got {self.max_episode_tokens}")
+        require(not self.env_args or bool(self.env), "env.env_args", "needs --env (the environment they configure)")
 
 
 @dataclass
@@ -306,14 +326,20 @@ class LearnerConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> None:
-        for section in (self.run, self.model, self.task, self.grpo, self.sampler, self.swarm, self.eval):
+        for section in (self.run, self.model, self.task, self.env, self.grpo, self.sampler, self.swarm, self.eval):
             section.validate()
+        require(
+            not (self.env.env and self.eval.eval_every),
+            "eval.eval_every",
+            "held-out evaluation runs on single-turn tasks only: leave it 0 with --env",
+        )
         require(
             self.sampler.max_batch >= self.grpo.group_size,
             "sampler.max_batch",

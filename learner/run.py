@@ -18,9 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from envs import EnvFactory, EnvSpec, make_env
+from envs.episode import EpisodeRules
 from learner.config import LearnerConfig
 from learner.orchestrate.rollouts import Rollout, has_signal
 from learner.tasks import Task, make_task
+from learner.tasks.environment import EnvironmentTask
 from learner.tasks.split import split_task
 from learner.tracking import Trackers
 from learner.train.checkpoint import list_checkpoints, load_trainer_state, load_weights, save_checkpoint
@@ -35,7 +38,7 @@ from learner.train.devices import (
     resolve_device,
     training_state_gib,
 )
-from learner.train.models import Policy, load_run_policy
+from learner.train.models import Policy, chat_format, load_run_policy
 from learner.train.trainer import GRPOTrainer, frozen_copy
 from p2p.config import ConfigError
 
@@ -102,11 +105,15 @@ def open_run(cfg: LearnerConfig, resume: bool, world: World | None = None, task:
         raise ConfigError(f"--resume: no checkpoint in {run_dir}/checkpoints; start without --resume")
     if not resume and (checkpoints or metrics_path.exists()):
         raise ConfigError(f"{run_dir} already holds a run: pass --resume to continue it or choose another --run-dir")
+    envs = make_env(cfg.env.env, cfg.env.env_args) if cfg.env.env and task is None else None  # fails fast
     run_dir.mkdir(parents=True, exist_ok=True)
 
     policy = load_run_policy(cfg.model, cfg.run.seed)
     policy.model.to(world.device)
-    task = split_task(task or make_task(cfg.task.task, cfg.task.task_args), "train")  # held-out ones: evaluation
+    if envs is not None:
+        task = environment_task(cfg, policy, envs)
+    else:  # the held-out problems are evaluation's
+        task = split_task(task or make_task(cfg.task.task, cfg.task.task_args), "train")
     if world.size > 1 and cfg.grpo.beta > 0:
         raise ConfigError("grpo.beta > 0 (a reference model) is not supported with several ranks yet: use beta = 0")
     # the KL anchor is the initial policy, so it is copied before a checkpoint's weights are loaded
@@ -143,6 +150,15 @@ def open_run(cfg: LearnerConfig, resume: bool, world: World | None = None, task:
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
         trackers = Trackers(cfg, run_dir)
     return Run(cfg, run_dir, policy, task, trainer, start_step, wall_offset, trackers, world)
+
+
+def environment_task(cfg: LearnerConfig, policy: Policy, envs: EnvFactory) -> EnvironmentTask:
+    """The run's environment as a task: its spec (budgets from [env] and the sampler), its factory, and the
+    chat format of the policy's template."""
+    spec = EnvSpec(
+        cfg.env.env, cfg.env.env_args, cfg.env.max_turns, cfg.env.max_episode_tokens, cfg.sampler.max_new_tokens
+    )
+    return EnvironmentTask(EpisodeRules(spec, envs, chat_format(policy)))
 
 
 class Phases:
@@ -213,4 +229,18 @@ def batch_metrics(groups: list[list[Rollout]], stats: dict) -> dict:
         "equal_reward_groups": sum(not has_signal(g) for g in groups),
         # how good each policy version that generated this batch is: (mean reward, rollouts)
         "reward_by_version": {str(v): [float(np.mean(rs)), len(rs)] for v, rs in sorted(by_version.items())},
+        **episode_metrics(rollouts),
+    }
+
+
+def episode_metrics(rollouts: list[Rollout]) -> dict:
+    """Turns and tokens per episode of an environment's rollouts (none for single-turn completions):
+    tokens_per_episode counts the model's turns and the observations, model_tokens_per_episode the former."""
+    episodes = [r for r in rollouts if r.spans]
+    if not episodes:
+        return {}
+    return {
+        "turns_per_episode": float(np.mean([(len(r.spans) + 1) // 2 for r in episodes])),
+        "tokens_per_episode": float(np.mean([len(r.completion_ids) for r in episodes])),
+        "model_tokens_per_episode": float(np.mean([r.model_tokens for r in episodes])),
     }

@@ -2,6 +2,9 @@
 
 They hold only Python scalars, lists and numpy arrays so that a worker needs neither torch nor
 transformers, and so that they can be serialised with msgpack when they travel over the swarm.
+
+Long because every message between the learner and its workers is here with the bounds it is checked
+against, so that one file shows the whole protocol (the broadcast's own messages are in p2p.broadcast).
 """
 
 from __future__ import annotations
@@ -67,12 +70,20 @@ class GenerationRequest:
 
     `group` is the prompt group's id: with the lease's seed, the completion's index and the token's
     position it keys every random draw (p2p.draws), so the learner can replay them. `greedy`: one
-    completion of the most likely tokens (held-out evaluation), whatever the lease's temperature."""
+    completion of the most likely tokens (held-out evaluation), whatever the lease's temperature.
+
+    A model turn of a multi-turn episode (envs.episode) continues the episode: `prompt_ids` holds the episode
+    so far, `completion` is the episode's index in its group and `position` the number of tokens it holds
+    after its first prompt, so that the turn's draws are keyed (group, completion + j, position + i) as if
+    the episode were one completion. `episode`: an environment's group, the seed its episodes reset with."""
 
     prompt_ids: list[int]
     group_size: int
     group: int = 0
     greedy: bool = False
+    completion: int = 0
+    position: int = 0
+    episode: int | None = None
 
 
 @dataclass
@@ -85,7 +96,25 @@ class Completion:
 
     tokens: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" (an end-of-sequence token was sampled) or "length"
+    finish_reason: str  # "stop" (an end-of-sequence token was sampled, or the environment ended it) or "length"
+    spans: list[int] = field(default_factory=list)  # an episode's turns (see sampled_positions); [] one turn
+    reward: float | None = None  # an episode's return, as the worker's environment computed it
+
+
+def sampled_positions(n_tokens: int, spans: list[int]) -> list[int]:
+    """The indices of the sampled tokens among a completion's `n_tokens`.
+
+    A single-turn completion (spans []) is sampled throughout. An episode's tokens alternate model turns
+    and environment observations: spans = [model, observation, model, observation, ..., model] lengths,
+    summing to n_tokens; observation tokens are written by the environment and are never trained on."""
+    if not spans:
+        return list(range(n_tokens))
+    out, start = [], 0
+    for k, length in enumerate(spans):
+        if k % 2 == 0:
+            out.extend(range(start, start + length))
+        start += length
+    return out
 
 
 class MessageError(ValueError):

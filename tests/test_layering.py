@@ -1,8 +1,9 @@
 """The house rules of docs/design.md ("Code layout"), checked on every module's imports and length.
 
-Imports point one way: echo_rl (the Python API) -> echo_cli -> learner, worker -> p2p; learner.train imports
+Imports point one way: echo_rl (the Python API) -> echo_cli -> learner, worker -> envs -> p2p; learner.train imports
 nothing from the swarm side (learner.orchestrate) and learner.plan nothing from train or orchestrate, and no
-torch; worker and learner never import each other; only p2p imports trio or libp2p.
+torch; worker and learner never import each other; envs (both step environments) imports neither, nor torch;
+only p2p imports trio or libp2p.
 """
 
 import ast
@@ -11,12 +12,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("echo_rl", "echo_cli", "learner", "worker", "p2p")
+PACKAGES = ("echo_rl", "echo_cli", "learner", "worker", "envs", "p2p")
 MAX_LINES = 400
 
 # (module prefix, imported prefixes it must not use)
 FORBIDDEN = [
-    ("p2p", ("echo_rl", "echo_cli", "learner", "worker")),
+    ("p2p", ("echo_rl", "echo_cli", "learner", "worker", "envs")),
+    ("envs", ("echo_rl", "echo_cli", "learner", "worker", "torch", "transformers", "trio", "libp2p")),
     ("echo_cli", ("echo_rl",)),  # the Python API is a facade over the CLI's packages, not under them
     ("worker", ("echo_cli", "learner")),
     ("learner", ("echo_cli", "worker")),
@@ -73,6 +75,18 @@ def test_plan_starts_without_torch():
     """`echo-rl plan` and `simulate` load no torch, not even through another module's imports."""
     code = (
         "import sys, learner.plan.simulator, learner.plan.admission, learner.plan.capacity, echo_cli.plan; "
+        "bad = [m for m in ('torch', 'transformers', 'trio', 'libp2p') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+def test_environments_load_without_torch():
+    """A worker and the learner both play environments: every built-in one loads no torch or libp2p."""
+    code = (
+        "import sys, envs, envs.episode, envs.chat; from envs import make_env; "
+        "[make_env(n) for n in ('sokoban', 'calculator', 'kuhn-poker')]; "
         "bad = [m for m in ('torch', 'transformers', 'trio', 'libp2p') if m in sys.modules]; "
         "assert not bad, bad"
     )

@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from envs.sokoban import solved
 from learner.tasks import TaskError, last_integer, make_task
 from learner.tasks.countdown import evaluate_expression
-from learner.tasks.sokoban import solved
 
 ALL = ["arithmetic", "countdown", "sokoban", "knights-knaves"]
 
@@ -64,7 +64,7 @@ def test_sokoban_boards_are_solvable_by_construction():
     # reverse play guarantees a solution exists; check by breadth-first search on small boards
     from collections import deque
 
-    from learner.tasks.sokoban import move, parse
+    from envs.sokoban import move, parse
 
     task = make_task("sokoban", {"size": 6, "boxes": 1, "pulls": 8})
     rng = random.Random(7)

@@ -40,14 +40,17 @@ FRAME = struct.Struct(">II")  # body length, crc32 of the body
 
 
 def group_record(group: ScoredGroup) -> dict[str, Any]:
-    rollouts = [[r.prompt_ids, r.completion_ids, r.behaviour_logprobs, r.reward, r.advantage] for r in group.rollouts]
+    rollouts = [
+        [r.prompt_ids, r.completion_ids, r.behaviour_logprobs, r.reward, r.advantage] + ([r.spans] if r.spans else [])
+        for r in group.rollouts
+    ]  # an episode's spans as a sixth field: journals written before episodes existed read the same
     return {"t": "group", "group": group.group_id, "version": group.version, "worker": group.worker,
             "rollouts": rollouts}  # fmt: skip
 
 
 def group_of(record: dict[str, Any]) -> ScoredGroup:
     version = record["version"]
-    rollouts = [Rollout(p, c, lp, reward, adv, version) for p, c, lp, reward, adv in record["rollouts"]]
+    rollouts = [Rollout(p, c, lp, reward, adv, version, *spans) for p, c, lp, reward, adv, *spans in record["rollouts"]]
     return ScoredGroup(record["group"], version, record["worker"], rollouts)
 
 

@@ -10,11 +10,13 @@ Representations from the wire to the loss (docs/design.md, "One rollout from lea
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from envs.episode import replay_episode
 from learner.tasks import Problem, Task
+from learner.tasks.environment import episode_rules
 from learner.train.grpo import clamp_reward, group_advantages
 from learner.train.models import Policy
 from p2p.messages import Completion
@@ -26,10 +28,16 @@ class Rollout:
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    behaviour_logprobs: list[float]  # log mu per completion token, from the sampler
+    behaviour_logprobs: list[float]  # log mu per completion token, from the sampler (0 for observation tokens)
     reward: float
     advantage: float = 0.0
     version: int = 0  # policy version the sampler held when generation started
+    spans: list[int] = field(default_factory=list)  # an episode's turns (p2p.messages.sampled_positions)
+
+    @property
+    def model_tokens(self) -> int:
+        """Tokens the policy sampled: all of a completion's, an episode's model turns (not its observations)."""
+        return sum(self.spans[::2]) if self.spans else len(self.completion_ids)
 
 
 @dataclass
@@ -64,15 +72,22 @@ def score_groups(
     groups: list[list[Completion]],
     version: int,
 ) -> list[list[Rollout]]:
-    """Score every completion with the task's reward and attach group-normalised advantages."""
+    """Score every completion with the task's reward and attach group-normalised advantages. An environment's
+    episodes are replayed from their seed (problem.answer) instead: the return is the environment's, and an
+    episode it does not reproduce raises envs.episode.ReplayError."""
+    rules = episode_rules(task)
     scored = []
     for problem, prompt_ids, group in zip(problems, prompts, groups, strict=True):
+        if rules is not None:
+            returns = [replay_episode(c, problem.answer, rules).reward for c in group]
+        else:
+            returns = [task.reward(policy.decode(c.tokens), problem.answer) for c in group]
         # any reward function's value, made safe to normalise: non-finite scores 0, clamped to +-REWARD_LIMIT
-        rewards = [clamp_reward(task.reward(policy.decode(c.tokens), problem.answer)) for c in group]
+        rewards = [clamp_reward(r) for r in returns]
         advantages = group_advantages(torch.tensor([rewards], dtype=torch.float64))[0].tolist()  # [G]
         scored.append(
             [
-                Rollout(prompt_ids, c.tokens, c.logprobs, reward, advantage, version)
+                Rollout(prompt_ids, c.tokens, c.logprobs, reward, advantage, version, c.spans)
                 for c, reward, advantage in zip(group, rewards, advantages, strict=True)
             ]
         )

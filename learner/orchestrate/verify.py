@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from learner.orchestrate.rollouts import Rollout
-from learner.train.trainer import model_device, nucleus_masks, pack_completions
+from learner.train.trainer import model_device, nucleus_masks, pack_completions, sampled, sampled_logprobs
 from p2p.draws import uniforms
 from p2p.messages import is_adapter
 from p2p.weights import lora_deltas, to_float32
@@ -138,8 +138,9 @@ def draw_miss(misses: torch.Tensor) -> float:
 
 
 def group_draws(seed: int, group_id: int, group: list[Rollout]) -> torch.Tensor:
-    """The draws behind every completion token of a group, flat in completion order: [N]."""
-    keys = [(group_id, j, pos) for j, r in enumerate(group) for pos in range(len(r.completion_ids))]
+    """The draws behind every sampled token of a group, flat in completion order: [N]. An episode's position
+    counts its observation tokens too (p2p.messages.GenerationRequest)."""
+    keys = [(group_id, j, pos) for j, r in enumerate(group) for pos in sampled(r)]
     return torch.from_numpy(uniforms(seed, keys))
 
 
@@ -220,7 +221,7 @@ class RolloutVerifier:
                 recomputed, misses = replay_sampling(
                     self._model, group, self.temperature, self.top_p, group_draws(seed, group_id, group)
                 )
-        return divergence([lp for r in group for lp in r.behaviour_logprobs], recomputed), draw_miss(misses)
+        return divergence([lp for r in group for lp in sampled_logprobs(r)], recomputed), draw_miss(misses)
 
     def check(self, worker: str, version: int, seed: int, group_id: int, group: list[Rollout]) -> float | None:
         """measure() a group of `worker` and flag the worker when d > tolerance or a token's draw misses its

@@ -11,6 +11,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from envs.calculator import last_integer  # noqa: F401 - the tasks' answer parser too
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -65,15 +67,3 @@ def _checked(cls: type, name: str, args: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise TaskError(f"task {name!r} has no argument {unknown[0]!r}; allowed: {', '.join(allowed)}")
     return args
-
-
-def last_integer(text: str) -> int | None:
-    """The last integer written in `text` (commas inside numbers allowed), or None."""
-    import re
-
-    matches = re.findall(r"-?\d[\d,]*", text[-2000:])
-    for m in reversed(matches):
-        digits = m.replace(",", "")
-        if digits.strip("-").isdigit() and len(digits) <= 30:
-            return int(digits)
-    return None

@@ -16,6 +16,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from envs.chat import ChatFormat
 from learner.config import ModelConfig
 from learner.train.lora import add_lora
 from p2p.messages import ModelSpec
@@ -206,9 +207,7 @@ def model_spec(policy: Policy) -> ModelSpec:
     special = set(tok.all_special_ids) | set(tok.get_added_vocab().values())
     token_types = [3 if i in special else 1 for i in range(cfg.vocab_size)]  # 3 = control, 1 = normal
     merges = [m if isinstance(m, str) else " ".join(m) for m in bpe.get("merges", [])]
-    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
-    if tok.eos_token_id is not None and tok.eos_token_id not in eos:
-        eos.append(tok.eos_token_id)
+    eos = eos_ids(policy)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope_theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
     return ModelSpec(
@@ -233,3 +232,33 @@ def model_spec(policy: Policy) -> ModelSpec:
         lora_rank=policy.lora_rank,
         lora_alpha=policy.lora_alpha,
     )
+
+
+def eos_ids(policy: Policy) -> list[int]:
+    """The tokens that end a completion: the model config's end-of-sequence ids and the tokenizer's."""
+    cfg_eos = policy.model.config.eos_token_id
+    eos = list(cfg_eos) if isinstance(cfg_eos, list) else [cfg_eos]
+    if policy.tokenizer.eos_token_id is not None and policy.tokenizer.eos_token_id not in eos:
+        eos.append(policy.tokenizer.eos_token_id)
+    return [int(e) for e in eos if e is not None]
+
+
+def chat_format(policy: Policy) -> ChatFormat:
+    """How `policy`'s chat template writes an observation between two of the model's turns (envs.chat): the
+    template renders a probe conversation (user, assistant, user, then the assistant's opening), and the text
+    between the assistant's content and the second user's, and after it, are the observation's frame."""
+    user, model, observation = "ECHOUSERPROBE", "ECHOMODELPROBE", "ECHOOBSERVATIONPROBE"
+    messages = [
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": model},
+        {"role": "user", "content": observation},
+    ]
+    text = policy.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not (0 <= text.find(model) < text.find(observation)):
+        raise ModelError(
+            f"model {policy.name!r}: its chat template does not write an assistant turn followed by a user turn, "
+            "so multi-turn episodes cannot be rendered; use a model with a standard chat template"
+        )
+    between = text[text.index(model) + len(model) : text.index(observation)]
+    after = text[text.index(observation) + len(observation) :]
+    return ChatFormat(policy.tokenizer.backend_tokenizer.to_str(), between, after, tuple(eos_ids(policy)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -18,6 +18,7 @@ from learner.config import GRPOConfig
 from learner.train.data_parallel import World
 from learner.train.devices import autocast, grad_checkpointing_on
 from learner.train.grpo import policy_loss
+from p2p.messages import sampled_positions
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +28,22 @@ class TrainingSequence(Protocol):
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    behaviour_logprobs: list[float]  # log mu per completion token, from the sampler
+    behaviour_logprobs: list[float]  # log mu per completion token, from the sampler (0 for observation tokens)
     advantage: float
+    spans: list[int]  # an episode's model / observation turns (p2p.messages.sampled_positions); [] one turn
+
+
+def sampled(r: TrainingSequence) -> list[int]:
+    """The positions in r.completion_ids that the policy sampled: the only ones trained on (an episode's
+    observation tokens are context, never targets)."""
+    return sampled_positions(len(r.completion_ids), r.spans)
+
+
+def sampled_logprobs(r: TrainingSequence) -> list[float]:
+    """The behaviour logprobs of r's sampled tokens, in order."""
+    if not r.spans:
+        return r.behaviour_logprobs
+    return [r.behaviour_logprobs[i] for i in sampled(r)]
 
 
 Batch = list[TrainingSequence]
@@ -42,6 +57,7 @@ class Padding:
     completion_ids: list[int]
     behaviour_logprobs: list[float]
     advantage: float = 0.0
+    spans: list[int] = field(default_factory=list)
 
 
 class GRPOTrainer:
@@ -154,7 +170,7 @@ class GRPOTrainer:
         skipping (an optimisation: their gradient is zero) never rescales the step. Returns the loss and
         token-weighted sums of the statistics, summed over ranks."""
         cfg, world = self.cfg, self.world
-        total_tokens = sum(len(r.completion_ids) for r in minibatch)  # of the whole minibatch, over all ranks
+        total_tokens = sum(len(sampled(r)) for r in minibatch)  # trained tokens of the whole minibatch, all ranks
         n_rollouts = len(minibatch)
         sums = {"loss": 0.0, "clip_frac": 0.0, "kl_behaviour": 0.0, "ratio_mean": 0.0, "kl_ref": 0.0, "tokens": 0.0}
         for batch in passes:
@@ -162,7 +178,7 @@ class GRPOTrainer:
                 (self._logprobs(self.model, [PADDING]).sum() * 0.0).backward()
                 continue
             device = model_device(self.model)  # every tensor of the step where the model is
-            lengths = torch.tensor([len(r.completion_ids) for r in batch], device=device)  # [B]
+            lengths = torch.tensor([len(sampled(r)) for r in batch], device=device)  # [B] trained tokens each
             if cfg.loss_norm == "token":
                 weights = torch.full((int(lengths.sum()),), 1.0 / total_tokens, device=device)  # [N]
             else:
@@ -172,7 +188,7 @@ class GRPOTrainer:
             if self.reference is not None:
                 with torch.no_grad():
                     logp_ref = self._logprobs(self.reference, batch)  # [N]
-            behaviour = torch.tensor([lp for r in batch for lp in r.behaviour_logprobs], device=device)  # [N]
+            behaviour = torch.tensor([lp for r in batch for lp in sampled_logprobs(r)], device=device)  # [N]
             advantages = torch.repeat_interleave(torch.tensor([r.advantage for r in batch], device=device), lengths)
             prox = None if proximal is None else torch.cat([proximal[id(r)] for r in batch])  # [N]
             loss, stats = policy_loss(
@@ -216,7 +232,7 @@ class GRPOTrainer:
         for _, passes in plans:
             for batch in passes:
                 logp = self._logprobs(self.model, batch or [PADDING])  # [N]
-                for r, lp in zip(batch, logp.split([len(r.completion_ids) for r in batch]), strict=False):
+                for r, lp in zip(batch, logp.split([len(sampled(r)) for r in batch]), strict=False):
                     out[id(r)] = lp
         return out
 
@@ -253,9 +269,10 @@ def model_device(model: torch.nn.Module) -> torch.device:
 def pack_completions(
     batch: list[TrainingSequence], device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt + completion ids [B, T], their mask [B, T], and for every completion token
-    the (row, column) of the position whose output predicts it: rows [N], cols [N]; built on the CPU,
-    then moved to `device` in one copy each."""
+    """Right-padded prompt + completion ids [B, T], their mask [B, T], and for every sampled completion
+    token (all of a single-turn completion's; an episode's model turns, not its observations) the (row,
+    column) of the position whose output predicts it: rows [N], cols [N]; built on the CPU, then moved to
+    `device` in one copy each."""
     seqs = [r.prompt_ids + r.completion_ids for r in batch]
     width = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long, device="cpu")  # [B, T]
@@ -265,8 +282,9 @@ def pack_completions(
         ids[b, : len(s)] = torch.tensor(s, device="cpu")
         mask[b, : len(s)] = 1
         start = len(r.prompt_ids) - 1  # the position whose output predicts the first completion token
-        rows += [b] * len(r.completion_ids)
-        cols += range(start, start + len(r.completion_ids))
+        positions = sampled(r)
+        rows += [b] * len(positions)
+        cols += [start + i for i in positions]
     rows_t, cols_t = torch.tensor(rows, device="cpu"), torch.tensor(cols, device="cpu")
     return ids.to(device), mask.to(device), rows_t.to(device), cols_t.to(device)
 
@@ -274,7 +292,7 @@ def pack_completions(
 def completion_logprobs(
     model: torch.nn.Module, batch: list[TrainingSequence], temperature: float, top_p: float = 1.0
 ) -> torch.Tensor:
-    """log pi(token) for every completion token of `batch`, flat in batch order: [N].
+    """log pi(token) for every sampled completion token of `batch` (pack_completions), flat in batch order: [N].
 
     pi is the distribution the sampler draws from: softmax(logits / temperature), with top_p < 1
     restricted to the nucleus and renormalised (worker.sampling; the verifier uses the same rule), so

@@ -147,7 +147,9 @@ class TransformersEngine:
         next_position = positions[:, -1:] + 1  # [R, 1]
         for position in range(params.max_new_tokens):
             logits = out.logits[:, -1, :].float().cpu().numpy()  # [R, V]
-            u = uniforms(params.seed, [(r.group, j, position) for r, j in rows])  # p2p.draws
+            u = uniforms(
+                params.seed, [(r.group, r.completion + j, r.position + position) for r, j in rows]
+            )  # p2p.draws
             tokens, logprobs = sample_next(logits, params.temperature, params.top_p, u)
             for i in np.nonzero(alive)[0]:
                 seqs[i].tokens.append(int(tokens[i]))

@@ -297,8 +297,9 @@ class LlamaCppEngine:
         # The first token of every sequence comes from its prompt's logits.
         rows = np.repeat(prompt_logits, [r.group_size for r in wave], axis=0)  # [n_seqs, V]
         seqs = [Completion(tokens=[], logprobs=[], finish_reason="length") for _ in range(n_seqs)]
-        keys = [(r.group, j) for r in wave for j in range(r.group_size)]  # sequence -> (group, completion)
-        u = uniforms(params.seed, [(*keys[s], 0) for s in range(n_seqs)])
+        # sequence -> (group, completion, position of its first token): the key of its draws (p2p.draws)
+        keys = [(r.group, r.completion + j, r.position) for r in wave for j in range(r.group_size)]
+        u = uniforms(params.seed, [keys[s] for s in range(n_seqs)])
         tokens, logprobs = sample_next(rows, params.temperature, params.top_p, u)
         positions = [len(r.prompt_ids) for r in wave for _ in range(r.group_size)]
         alive = list(range(n_seqs))
@@ -319,7 +320,7 @@ class LlamaCppEngine:
                 break
             batch = [(seqs[s].tokens[-1], positions[s] + len(seqs[s].tokens) - 1, s, True) for s in alive]
             logits = self._decode(batch)  # [len(alive), V]
-            u = uniforms(params.seed, [(*keys[s], len(seqs[s].tokens)) for s in alive])
+            u = uniforms(params.seed, [(*keys[s][:2], keys[s][2] + len(seqs[s].tokens)) for s in alive])
             tokens, logprobs = sample_next(logits, params.temperature, params.top_p, u)
 
         out, start = [], 0

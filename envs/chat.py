@@ -1,0 +1,77 @@
+"""How an episode's text becomes tokens: the model's tokenizer and the pieces of its chat template.
+
+The model's own turns stay the tokens it sampled (token in, token out: never re-tokenized, so the trained
+tokens are the sampled ones). An observation is written as the chat template writes a user turn after an
+assistant turn, followed by the opening of the next assistant turn:
+
+    observation tokens = encode(observation_open + text + observation_close)
+
+where observation_open is what the template puts between an assistant message's content and the next user
+message's content (with SmolLM2's template "<|im_end|>\\n<|im_start|>user\\n"), less the text of the model's
+stop token when its turn ended with one (the model already wrote "<|im_end|>"), and observation_close what it
+puts after a user message when a reply is asked for ("<|im_end|>\\n<|im_start|>assistant\\n").
+
+The learner derives the pieces from the template (learner.train.models.chat_format) and sends them with the
+tokenizer's JSON to workers, so both sides encode and decode with the same `tokenizers.Tokenizer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from tokenizers import Tokenizer
+
+MAX_TOKENIZER_JSON = 64 << 20  # bytes of a tokenizer a worker accepts from the learner
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """A model's tokenizer (its tokenizers JSON) and the chat-template text around an observation."""
+
+    tokenizer_json: str = field(repr=False)
+    observation_open: str
+    observation_close: str
+    stop_ids: tuple[int, ...]  # tokens that end a model turn (the model's end-of-sequence tokens)
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_str(self.tokenizer_json)
+
+    def decode(self, tokens: list[int]) -> str:
+        """A model turn as the environment reads it: special tokens removed."""
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def observation_ids(self, text: str, turn: list[int]) -> list[int]:
+        """The tokens of observation `text` after the model turn `turn` (see the module docstring)."""
+        opening = self.observation_open
+        if turn and turn[-1] in self.stop_ids:
+            stop = self.tokenizer.decode([turn[-1]], skip_special_tokens=False)
+            if stop and opening.startswith(stop):
+                opening = opening[len(stop) :]
+        return self.tokenizer.encode(opening + text + self.observation_close, add_special_tokens=False).ids
+
+    def to_wire(self) -> dict:
+        return {
+            "tokenizer": self.tokenizer_json,
+            "open": self.observation_open,
+            "close": self.observation_close,
+            "stop_ids": list(self.stop_ids),
+        }
+
+    @classmethod
+    def from_wire(cls, msg: dict) -> ChatFormat:
+        from envs import EnvError
+
+        tok, opening, close, stops = (msg.get(k) for k in ("tokenizer", "open", "close", "stop_ids"))
+        if not isinstance(tok, str) or len(tok) > MAX_TOKENIZER_JSON:
+            raise EnvError("the run's chat format needs the tokenizer as a JSON string")
+        if not isinstance(opening, str) or not isinstance(close, str) or len(opening) + len(close) > 4096:
+            raise EnvError("the run's chat format needs short observation_open and observation_close strings")
+        if not isinstance(stops, list) or not all(type(s) is int and s >= 0 for s in stops):
+            raise EnvError("the run's chat format needs stop_ids, a list of token ids")
+        try:
+            Tokenizer.from_str(tok)
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises its own exception type
+            raise EnvError(f"the run's tokenizer JSON does not load: {exc}") from None
+        return cls(tok, opening, close, tuple(stops))

@@ -1,0 +1,191 @@
+"""Playing episodes (a worker, the co-located learner) and replaying them (the learner's check).
+
+An episode is recorded as one completion after its first prompt (p2p.messages.Completion): its tokens are
+the model's turns and the environment's observations in order, `spans` their lengths [model, observation,
+..., model], `logprobs` the behaviour logprob of every sampled token (0.0 for observation tokens, which are
+never trained on), `reward` the return (the sum of the steps' rewards) and `finish_reason` "stop" when the
+environment ended the episode, "length" when a budget did.
+
+Rules both sides follow, so the learner's replay reaches the same episode from the same turns:
+- turn k (0-based) of episode j of group g samples at most min(turn_tokens, max_tokens - held) tokens,
+  where held counts the episode's tokens so far; its draws are keyed (g, j, held + i) (p2p.draws);
+- a turn that is not cut by its budget ends with a stop token, and only there;
+- after each turn the environment steps on its text; the episode ends when the step says done, at the
+  max_turns-th turn, or when the next observation would not fit in max_tokens; otherwise the observation's
+  tokens (envs.chat.ChatFormat.observation_ids) follow and the next turn starts.
+
+The policy version is fixed for a whole episode: a worker changes weights only between leases, so the
+staleness of every turn is that of the version that started the episode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from envs import EnvFactory, EnvSpec, make_env
+from envs.chat import ChatFormat
+from p2p.messages import Completion, GenerationRequest, SamplingParams
+
+Generate = Callable[[Sequence[GenerationRequest], SamplingParams], list[list[Completion]]]
+
+
+class ReplayError(ValueError):
+    """An episode the environment does not reproduce: a forged observation, outcome or turn structure."""
+
+
+@dataclass(frozen=True)
+class EpisodeRules:
+    """Everything that decides an episode besides the policy: the environment and its budgets, and the chat
+    format its observations are written in. The learner and its workers hold the same rules."""
+
+    spec: EnvSpec
+    make_env: EnvFactory
+    chat: ChatFormat
+
+    @classmethod
+    def of(cls, spec: EnvSpec, chat: ChatFormat) -> EpisodeRules:
+        return cls(spec, make_env(spec.name, spec.args), chat)
+
+
+@dataclass
+class _Live:
+    """An episode being played."""
+
+    env: object
+    request: GenerationRequest
+    index: int  # its completion index in the group
+    record: Completion
+    turns: int = 0
+    reward: float = 0.0
+    done: bool = False
+
+
+def play_episodes(
+    generate: Generate,
+    requests: Sequence[GenerationRequest],
+    params: SamplingParams,
+    rules: EpisodeRules,
+) -> list[list[Completion]]:
+    """Play each request's group_size episodes of the environment reset with its `episode` seed (its first
+    prompt: the request's prompt_ids) with `generate` (an engine's); returns one list of episode records
+    per request, in order.
+    Every live episode's next turn goes to the engine in one call (per distinct token budget); params'
+    max_new_tokens is replaced by the turn budgets."""
+    spec = rules.spec
+    episodes: list[list[_Live]] = []
+    for request in requests:
+        if request.episode is None:
+            raise ValueError(f"group {request.group} has no episode seed: it is not an environment's")
+        group = []
+        for j in range(request.group_size):
+            env = rules.make_env()
+            env.reset(request.episode)
+            group.append(_Live(env, request, request.completion + j, Completion([], [], "length", [], 0.0)))
+        episodes.append(group)
+    for _ in range(spec.max_turns):
+        live = [e for group in episodes for e in group if not e.done]
+        if not live:
+            break
+        by_budget: dict[int, list[_Live]] = {}
+        for e in live:
+            by_budget.setdefault(min(spec.turn_tokens, spec.max_tokens - len(e.record.tokens)), []).append(e)
+        for budget, batch in by_budget.items():
+            turn_requests = [
+                GenerationRequest(
+                    e.request.prompt_ids + e.record.tokens, 1, e.request.group, completion=e.index,
+                    position=len(e.record.tokens),
+                )
+                for e in batch
+            ]  # fmt: skip
+            turns = generate(turn_requests, dataclasses.replace(params, max_new_tokens=budget))
+            for e, (turn,) in zip(batch, turns, strict=True):
+                _after_turn(e, turn.tokens, turn.logprobs, rules)
+    return [[e.record for e in group] for group in episodes]
+
+
+def _after_turn(e: _Live, tokens: list[int], logprobs: list[float], rules: EpisodeRules) -> None:
+    """Record a model turn, step the environment on it, and append its observation or end the episode."""
+    record, spec, chat = e.record, rules.spec, rules.chat
+    record.tokens += tokens
+    record.logprobs += logprobs
+    record.spans.append(len(tokens))
+    e.turns += 1
+    step = e.env.step(chat.decode(tokens))
+    e.reward += step_reward(step.reward)
+    record.reward = e.reward
+    if step.done:
+        e.done, record.finish_reason = True, "stop"
+        return
+    observation = chat.observation_ids(step.observation, tokens)
+    if e.turns >= spec.max_turns or len(record.tokens) + len(observation) >= spec.max_tokens:
+        e.done, record.finish_reason = True, "length"
+        return
+    record.tokens += observation
+    record.logprobs += [0.0] * len(observation)
+    record.spans.append(len(observation))
+
+
+def step_reward(reward: object) -> float:
+    """A step's reward as a finite float (anything else counts 0), so returns compare exactly on replay."""
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        return 0.0
+    return float(reward)
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """What the learner's replay of an episode found: the return it computes itself, and the shape."""
+
+    reward: float
+    turns: int
+    model_tokens: int
+    observation_tokens: int
+
+
+def replay_episode(episode: Completion, seed: int, rules: EpisodeRules) -> Replayed:
+    """Replay a claimed episode on a fresh environment; raise ReplayError at the first token, observation,
+    ending or reward the environment does not reproduce (the rules are in the module docstring)."""
+    spec, chat = rules.spec, rules.chat
+    spans, tokens = episode.spans, episode.tokens
+    if not spans or len(spans) % 2 == 0 or sum(spans) != len(tokens) or min(spans) < 1:
+        raise ReplayError("an episode's spans must be [model, observation, ..., model] lengths summing to its tokens")
+    if len(spans) // 2 + 1 > spec.max_turns:
+        raise ReplayError(f"an episode has {len(spans) // 2 + 1} model turns; the run allows {spec.max_turns}")
+    env = rules.make_env()
+    env.reset(seed)
+    reward, held, sampled = 0.0, 0, 0
+    for k in range(0, len(spans), 2):
+        turn = tokens[held : held + spans[k]]
+        budget = min(spec.turn_tokens, spec.max_tokens - held)
+        if len(turn) > budget or any(t in chat.stop_ids for t in turn[:-1]):
+            raise ReplayError(f"turn {k // 2} runs past its budget of {budget} tokens or past a stop token")
+        if len(turn) < budget and turn[-1] not in chat.stop_ids:
+            raise ReplayError(f"turn {k // 2} ends before its budget without a stop token")
+        held += len(turn)
+        sampled += len(turn)
+        step = env.step(chat.decode(turn))
+        reward += step_reward(step.reward)
+        last = k == len(spans) - 1
+        if step.done:
+            if not last:
+                raise ReplayError(f"the environment ended the episode after turn {k // 2}, the record goes on")
+            if episode.finish_reason != "stop":
+                raise ReplayError("the environment ended the episode; its finish must be 'stop'")
+            break
+        observation = chat.observation_ids(step.observation, turn)
+        if last:
+            out_of_budget = k // 2 + 1 >= spec.max_turns or held + len(observation) >= spec.max_tokens
+            if not out_of_budget:
+                raise ReplayError(f"the episode stops after turn {k // 2}, yet the environment and budgets go on")
+            if episode.finish_reason != "length":
+                raise ReplayError("a budget ended the episode; its finish must be 'length'")
+            break
+        if tokens[held : held + spans[k + 1]] != observation:
+            raise ReplayError(f"the observation after turn {k // 2} is not the environment's")
+        held += spans[k + 1]
+    if episode.reward is None or episode.reward != reward:
+        raise ReplayError(f"the episode claims reward {episode.reward}, the environment gives {reward}")
+    return Replayed(reward, len(spans) // 2 + 1, sampled, len(tokens) - sampled)

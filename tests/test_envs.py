@@ -1,0 +1,265 @@
+"""Multi-turn environments: the built-in games and tool, plugins, playing and replaying episodes, and the
+trainer's zero gradient on observation tokens."""
+
+import dataclasses
+from collections import deque
+
+import pytest
+import torch
+
+from envs import EnvError, EnvSpec, make_env
+from envs.calculator import CalcError, CalculatorEnv, evaluate
+from envs.episode import EpisodeRules, ReplayError, play_episodes, replay_episode
+from envs.kuhn_poker import KuhnPokerEnv
+from envs.sokoban import MOVES, SokobanEnv, move, parse
+from learner.config import GRPOConfig
+from learner.orchestrate.rollouts import Rollout
+from learner.orchestrate.verify import RolloutVerifier
+from learner.train.models import chat_format, model_spec, tiny_policy
+from learner.train.trainer import GRPOTrainer, completion_logprobs
+from learner.train.wire_weights import wire_tensors
+from p2p.messages import Completion, GenerationRequest, SamplingParams, sampled_positions
+
+
+def rules_for(policy, name, args=None, **budgets) -> EpisodeRules:
+    spec = EnvSpec(name, args or {}, **{"max_turns": 4, "max_tokens": 400, "turn_tokens": 64, **budgets})
+    return EpisodeRules(spec, make_env(name, args), chat_format(policy))
+
+
+def scripted(chat, turns: list[str]):
+    """An engine's generate() that writes `turns` in order, per episode, each ended with a stop token."""
+    done: dict[tuple[int, int], int] = {}
+
+    def generate(requests, params):
+        out = []
+        for r in requests:
+            k = done.get((r.group, r.completion), 0)
+            done[(r.group, r.completion)] = k + 1
+            tokens = chat.tokenizer.encode(turns[k], add_special_tokens=False).ids + [chat.stop_ids[0]]
+            tokens = tokens[: params.max_new_tokens]
+            out.append([Completion(tokens, [-1.0] * len(tokens), "stop" if tokens[-1] in chat.stop_ids else "length")])
+        return out
+
+    return generate
+
+
+def test_calculator_evaluates_exactly_within_its_limits():
+    assert evaluate("12 * 34 + 5")[0] == 413
+    assert evaluate("-(7 - 10) ** 3 // 2")[0] == 13
+    assert evaluate("1 / 3")[0] * 3 == 1
+    for bad, why in [
+        ("__import__('os').system('ls')", "not allowed"),
+        ("open('/etc/passwd')", "not allowed"),
+        ("x + 1", "not allowed"),
+        ("2 ** 1000", "exponents"),
+        ("99 ** 40", "digits"),
+        ("9" * 61, "digits"),
+        ("10 ** 30 * 10 ** 30 * 10", "digits"),
+        ("1 / 0", "division by zero"),
+        ("1 +" * 80 + "1", "characters"),
+        ("[1, 2]", "not allowed"),
+        ("2 ** (1/2)", "exponents"),
+    ]:
+        with pytest.raises(CalcError, match=why):
+            evaluate(bad)
+    with pytest.raises(CalcError):
+        evaluate("-3 + 4", "+-*/")  # countdown's operators: no negation
+
+
+def test_calculator_episode_calls_the_tool_then_answers(tiny):
+    rules = rules_for(tiny, "calculator", {"digits": 2, "terms": 2})
+    env = CalculatorEnv(digits=2, terms=2)
+    prompt_text = env.reset(5)
+    expr = prompt_text.split("What is ")[1].split("?")[0]
+    value = int(evaluate(expr)[0])
+    request = GenerationRequest(tiny.render_prompt(prompt_text), 1, 0, episode=5)
+    turns = [f"Let me compute.\ncalc: {expr}", f"The answer is {value}."]
+    [[episode]] = play_episodes(scripted(rules.chat, turns), [request], SamplingParams(max_new_tokens=24), rules)
+    assert len(episode.spans) == 3 and episode.finish_reason == "stop" and episode.reward == 1.0
+    observation = episode.tokens[episode.spans[0] : episode.spans[0] + episode.spans[1]]
+    assert f"calc: {value}" in rules.chat.tokenizer.decode(observation, skip_special_tokens=False)
+    assert replay_episode(episode, 5, rules).reward == 1.0
+    [[wrong]] = play_episodes(
+        scripted(rules.chat, [f"It is {value + 1}."]), [request], SamplingParams(max_new_tokens=24), rules
+    )
+    assert wrong.spans == [len(wrong.tokens)] and wrong.reward == 0.0
+
+
+def solve(board: str) -> str:
+    """The shortest solution of a small Sokoban board, by breadth-first search (for the test)."""
+    walls, goals, boxes, player = parse(board)
+    start = (frozenset(boxes), player)
+    seen, queue = {start: ""}, deque([start])
+    while queue:
+        state = queue.popleft()
+        if state[0] == goals:
+            return seen[state]
+        for d in MOVES:
+            nxt = move(walls, state[0], state[1], d)
+            if nxt not in seen:
+                seen[nxt] = seen[state] + d
+                queue.append(nxt)
+    raise AssertionError("unsolvable board")
+
+
+def test_sokoban_is_played_a_few_moves_per_turn(tiny):
+    env = SokobanEnv(moves_per_turn=2)
+    prompt = env.reset(11)
+    solution = solve(prompt.split("\n\n", 1)[1])
+    chunks = [solution[i : i + 2] for i in range(0, len(solution), 2)]
+    rules = rules_for(tiny, "sokoban", {"moves_per_turn": 2}, max_turns=len(chunks) + 1, max_tokens=2000)
+    request = GenerationRequest(tiny.render_prompt(prompt), 1, 0, episode=11)
+    [[episode]] = play_episodes(scripted(rules.chat, chunks), [request], SamplingParams(), rules)
+    assert (len(episode.spans) + 1) // 2 == len(chunks) and episode.reward == 1.0
+    # every observation shows the board after the turn's moves
+    first_obs = episode.tokens[episode.spans[0] : episode.spans[0] + episode.spans[1]]
+    assert f"After {chunks[0]}:" in rules.chat.tokenizer.decode(first_obs)
+
+
+def test_kuhn_poker_pays_by_the_rules():
+    """Every deal and seat: a model that always calls or checks; the pot goes to the higher card."""
+    for seed in range(60):
+        env = KuhnPokerEnv()
+        env.reset(seed)
+        mine, theirs = env.cards
+        step = env.step("I call." if env._legal()[0] == "call" else "check")
+        for _ in range(3):
+            if step.done:
+                break
+            step = env.step("call" if "call" in step.observation else "check")
+        assert step.done and step.reward in (-2.0, -1.0, 1.0, 2.0)
+        if env.history[-1] != "fold":  # a showdown
+            assert (step.reward > 0) == ("JQK".index(mine) > "JQK".index(theirs))
+    env = KuhnPokerEnv(seat="first", retries=0)
+    env.reset(1)
+    assert env.step("raise!").reward == -1.0  # no legal move: a fold
+
+
+def tiny_engine(policy, tmp_path):
+    from worker.engines.llamacpp import LlamaCppEngine
+
+    engine = LlamaCppEngine(tmp_path / "engine", threads=2, max_batch=8)
+    engine.load_policy(model_spec(policy), wire_tensors(policy.model))
+    return engine
+
+
+@pytest.fixture(scope="module")
+def played(tiny, tmp_path_factory):
+    """Sokoban episodes of the tiny random model through llama.cpp: it writes no moves, so every turn gets an
+    observation and episodes run to max_turns (several turns each)."""
+    rules = rules_for(tiny, "sokoban", max_turns=3, turn_tokens=12)
+    engine = tiny_engine(tiny, tmp_path_factory.mktemp("played"))
+    seeds = [101, 202]
+    requests = [
+        GenerationRequest(tiny.render_prompt(make_env("sokoban")().reset(s)), 3, k, episode=s)
+        for k, s in enumerate(seeds)
+    ]
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=12, seed=99)
+    groups = play_episodes(engine.generate, requests, params, rules)
+    engine.close()
+    return rules, requests, params, groups
+
+
+def test_replay_accepts_honest_episodes_and_catches_changes(played):
+    rules, requests, _, groups = played
+    for request, group in zip(requests, groups, strict=True):
+        for episode in group:
+            assert len(episode.spans) == 5 and episode.finish_reason == "length"  # 3 turns, 2 observations
+            assert len(episode.logprobs) == len(episode.tokens)
+            replayed = replay_episode(episode, request.episode, rules)
+            assert replayed.turns == 3 and replayed.reward == episode.reward == 0.0
+    episode, seed = groups[0][0], requests[0].episode
+    obs_at = episode.spans[0] + 1  # a token inside the first observation
+    changed = dataclasses.replace(episode, tokens=[*episode.tokens])
+    changed.tokens[obs_at] = (changed.tokens[obs_at] + 1) % 200
+    with pytest.raises(ReplayError, match="observation after turn 0"):
+        replay_episode(changed, seed, rules)
+    with pytest.raises(ReplayError, match="claims reward 1.0"):
+        replay_episode(dataclasses.replace(episode, reward=1.0), seed, rules)
+    with pytest.raises(ReplayError, match="finish"):
+        replay_episode(dataclasses.replace(episode, finish_reason="stop"), seed, rules)
+    cut = sum(episode.spans[:3])  # stopping after turn 1, as if the environment had ended it
+    with pytest.raises(ReplayError, match="go on"):
+        replay_episode(dataclasses.replace(episode, tokens=episode.tokens[:cut], spans=episode.spans[:3]), seed, rules)
+    with pytest.raises(ReplayError, match="another seed|observation"):
+        replay_episode(episode, seed + 1, rules)  # another board: other observations
+
+
+def test_episode_draws_and_logprobs_verify(tiny, played):
+    """The verifier replays every model token of an episode with the draws keyed over the whole episode
+    (observation tokens count in the positions, are never checked) and finds honest episodes clean."""
+    _, requests, params, groups = played
+    verifier = RolloutVerifier(lambda: tiny_policy(0).model, 1.0, 1.0, 1, 1.0, 0.05, 0.01)
+    verifier.remember(0, wire_tensors(tiny.model), None)
+    for request, group in zip(requests, groups, strict=True):
+        rollouts = [Rollout(request.prompt_ids, e.tokens, e.logprobs, 0.0, 0.0, 0, e.spans) for e in group]
+        d, miss = verifier.measure(0, params.seed, request.group, rollouts)
+        assert d < 5e-3 and miss < 1e-3
+    # the same tokens claimed as one single-turn completion: observation tokens were not drawn, so they miss
+    flat = [Rollout(requests[0].prompt_ids, e.tokens, e.logprobs, 0.0, 0.0, 0) for e in groups[0]]
+    assert verifier.measure(0, params.seed, requests[0].group, flat)[1] > 0.01
+
+
+def test_observation_tokens_get_exactly_zero_gradient(tiny):
+    """The loss reaches the model only through the logprobs of sampled tokens: the final hidden states that
+    predict observation tokens get a gradient of exactly 0, those that predict model tokens do not."""
+    policy = tiny_policy(0)
+    prompt = policy.render_prompt("Play.")
+    tokens = list(range(40, 60))  # 20 tokens: model 5, observation 6, model 4, observation 3, model 2
+    spans = [5, 6, 4, 3, 2]
+    episode = Rollout(prompt, tokens, [0.0] * 20, 1.0, 1.0, 0, spans)
+    with torch.no_grad():  # on-policy behaviour logprobs of the sampled tokens: every ratio is 1
+        for i, lp in zip(sampled_positions(20, spans), completion_logprobs(policy.model, [episode], 1.0), strict=True):
+            episode.behaviour_logprobs[i] = float(lp)
+    batch = [episode]
+    captured = {}
+
+    def keep(module, args, output):
+        output.retain_grad()
+        captured["hidden"] = output
+
+    handle = policy.model.model.norm.register_forward_hook(keep)
+    trainer = GRPOTrainer(policy.model, GRPOConfig(), temperature=1.0)
+    stats = trainer.forward_backward(batch)
+    handle.remove()
+    grad = captured["hidden"].grad[0]  # [T, H] of the episode's row
+    start = len(prompt) - 1  # the position predicting the first completion token
+    model_rows = [start + i for i in sampled_positions(20, spans)]
+    observation_rows = [start + i for i in range(20) if i not in sampled_positions(20, spans)]
+    assert stats["trained_tokens"] == 11
+    assert torch.count_nonzero(grad[observation_rows]) == 0
+    assert all(torch.count_nonzero(grad[r]) > 0 for r in model_rows)
+    # the observation tokens' behaviour logprobs are never read
+    sampled = set(sampled_positions(20, spans))
+    other = [lp if i in sampled else -40.0 for i, lp in enumerate(episode.behaviour_logprobs)]
+    assert trainer.forward_backward([dataclasses.replace(episode, behaviour_logprobs=other)])["loss"] == stats["loss"]
+
+
+@pytest.mark.parametrize(
+    "name, args, message",
+    [
+        ("chess", {}, "unknown environment 'chess'"),
+        ("no_such_module:Env", {}, "cannot import 'no_such_module'"),
+        ("tests.guess_env:Missing", {}, "has no 'Missing'"),
+        ("tests.guess_env:not_a_class", {}, "must be a class"),
+        ("tests.guess_env", {}, "unknown environment"),
+        ("tests.guess_env:", {}, "module:Class"),
+        ("tests.guess_env:Broken", {}, "failed to start an episode: RuntimeError: no board today"),
+        ("tests.guess_env:GuessEnv", {"low": 3}, "has no argument 'low'"),
+        ("sokoban", {"size": 40}, "size must be between 5 and 10"),
+    ],
+)
+def test_bad_environment_specs_say_what_to_change(name, args, message):
+    with pytest.raises(EnvError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make_env(name, args)
+
+
+def test_a_plugin_environment_plays(tiny):
+    rules = rules_for(tiny, "tests.guess_env:GuessEnv", {"high": 4})
+    secret = make_env("tests.guess_env:GuessEnv", {"high": 4})()
+    secret.reset(3)
+    guesses = [str(n) for n in range(1, 5)]
+    request = GenerationRequest(tiny.render_prompt("guess"), 1, 0, episode=3)
+    [[episode]] = play_episodes(scripted(rules.chat, guesses), [request], SamplingParams(), rules)
+    assert episode.reward == 1.0 and (len(episode.spans) + 1) // 2 == secret.secret
+    assert replay_episode(episode, 3, rules).turns == secret.secret
