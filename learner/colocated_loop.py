@@ -107,8 +107,7 @@ def train_colocated(
                 "step": step,
                 "wall_s": round(time.perf_counter() - t_run, 3),
                 **batch_metrics(scored, stats),
-                "gen_tokens_per_s": sum(r.model_tokens for g in scored for r in g)
-                / max(seconds["generate"], 1e-9),
+                "gen_tokens_per_s": sum(r.model_tokens for g in scored for r in g) / max(seconds["generate"], 1e-9),
                 "utilisation": seconds["train"] / sum(seconds.values()),  # the learner trains, then waits for itself
                 "seconds": {k: round(v, 4) for k, v in seconds.items()},
                 "memory_gib": phases.memory(run),
