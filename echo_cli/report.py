@@ -2,7 +2,8 @@
 
 Works on finished and running runs alike, co-located or swarm: plots whose metrics a run does not
 have (staleness, version lag and broadcast times exist only in swarm runs, held-out evaluation only with
---eval-every) are skipped and named. Several runs: their curves overlaid and their summaries side by side.
+--eval-every, turns and tokens per episode only with --env) are skipped and named. Several runs: their
+curves overlaid and their summaries side by side.
 """
 
 from __future__ import annotations
@@ -80,6 +81,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "accuracy_last10": round(mean([r["accuracy"] for r in rows[-10:]]), 3),
         "completion_len_last10": round(mean([r["completion_len_mean"] for r in rows[-10:]]), 1),
     }
+    episodes = [r for r in rows[-10:] if "turns_per_episode" in r]
+    if episodes:
+        summary |= {
+            "turns_per_episode_last10": round(mean([r["turns_per_episode"] for r in episodes]), 2),
+            "tokens_per_episode_last10": round(mean([r["tokens_per_episode"] for r in episodes]), 1),
+        }
     evals = evaluations(rows)
     if evals:
         summary |= {
@@ -173,6 +180,22 @@ def write_plots(rows: list[dict[str, Any]], out: Path) -> tuple[list[Path], list
         save(fig, "eval.png")
     else:
         skipped.append("eval.png: no held-out evaluation in this run (--eval-every)")
+
+    episodes = [r for r in rows if "turns_per_episode" in r]
+    if episodes:
+        fig, (turns, tokens) = plt.subplots(1, 2, figsize=(11, 4))
+        x = [r["step"] for r in episodes]
+        turns.plot(x, [r["turns_per_episode"] for r in episodes], color="tab:cyan")
+        turns.set(xlabel="optimizer step", ylabel="model turns per episode", ylim=(0, None))
+        tokens.plot(x, [r["tokens_per_episode"] for r in episodes], label="all (turns and observations)")
+        tokens.plot(x, [r["model_tokens_per_episode"] for r in episodes], label="sampled by the model")
+        tokens.set(xlabel="optimizer step", ylabel="tokens per episode", ylim=(0, None))
+        tokens.legend()
+        for ax in (turns, tokens):
+            ax.grid(alpha=0.3)
+        save(fig, "episodes.png")
+    else:
+        skipped.append("episodes.png: no multi-turn environment in this run (--env)")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [100 * utilisation(r) for r in rows], color="tab:purple")

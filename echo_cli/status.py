@@ -60,6 +60,7 @@ def render(doc: dict) -> Group:
         ("learner", learner_line(doc)),
         ("utilisation", "-" if util is None else f"{util:.0%}"),
         ("reward (last step)", "-" if reward is None else f"{reward:.3f}"),
+        *([("environment", environment_line(doc["environment"]))] if doc.get("environment") else []),
         (
             "buffer",
             f"{doc['buffer']} groups, {doc['stale_dropped']} dropped as stale, "
@@ -95,6 +96,16 @@ def render(doc: dict) -> Group:
     if notes:
         peers.caption = "; ".join(notes)
     return Group(run, peers)
+
+
+def environment_line(env: dict) -> str:
+    """The run's multi-turn environment and its last step's episodes: turns and tokens per episode."""
+    if env.get("turns_per_episode") is None:
+        return f"{env['name']} (no step yet)"
+    return (
+        f"{env['name']}: {env['turns_per_episode']:.1f} turns, {env['tokens_per_episode']:.0f} tokens per episode "
+        f"({env['model_tokens_per_episode']:.0f} sampled, the rest observations), last step"
+    )
 
 
 def learner_line(doc: dict) -> str:

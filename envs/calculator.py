@@ -130,9 +130,8 @@ class CalculatorEnv:
         expr = str(numbers[0]) + "".join(f" {op} {n}" for op, n in zip(ops, numbers[1:], strict=True))
         self.answer = int(evaluate(expr)[0])
         return (
-            f"What is {expr}? You have a calculator: to use it, write a line `calc: EXPRESSION` (for example "
-            "`calc: 12 * 34 + 5`) and stop; you will get the result. When you know the value, reply with it "
-            "and no calculator line."
+            f"What is {expr}? You have a calculator. To use it, reply with calc: and an expression, e.g. "
+            f"calc: {expr}\nWhen you know the value, reply with the number."
         )
 
     def step(self, action: str) -> Step:

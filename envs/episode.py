@@ -72,8 +72,9 @@ def play_episodes(
     """Play each request's group_size episodes of the environment reset with its `episode` seed (its first
     prompt: the request's prompt_ids) with `generate` (an engine's); returns one list of episode records
     per request, in order.
-    Every live episode's next turn goes to the engine in one call (per distinct token budget); params'
-    max_new_tokens is replaced by the turn budgets."""
+    The first turns go to the engine as the requests themselves (a group's episodes share its prompt, so an
+    engine prefills it once); every later turn of every live episode in one call per distinct token budget.
+    params' max_new_tokens is replaced by the turn budgets."""
     spec = rules.spec
     episodes: list[list[_Live]] = []
     for request in requests:
@@ -85,7 +86,11 @@ def play_episodes(
             env.reset(request.episode)
             group.append(_Live(env, request, request.completion + j, Completion([], [], "length", [], 0.0)))
         episodes.append(group)
-    for _ in range(spec.max_turns):
+    first = dataclasses.replace(params, max_new_tokens=min(spec.turn_tokens, spec.max_tokens))
+    for group, completions in zip(episodes, generate(requests, first), strict=True):
+        for e, turn in zip(group, completions, strict=True):
+            _after_turn(e, turn.tokens, turn.logprobs, rules)
+    for _ in range(spec.max_turns - 1):
         live = [e for group in episodes for e in group if not e.done]
         if not live:
             break

@@ -52,10 +52,8 @@ class KuhnPokerEnv:
         self.first = self.seat == "first" or (self.seat == "random" and self.rng.random() < 0.5)
         self.history, self.errors = [], 0
         intro = (
-            "Let's play Kuhn poker. The deck has three cards, J < Q < K; each of us antes 1 chip and gets one "
-            "card. The first player may check or bet 1 chip. After a check the other player may check (the "
-            "higher card wins the pot) or bet; facing a bet you may call (higher card wins) or fold (you lose "
-            f"your ante). Your card is {self.cards[0]}. "
+            "Kuhn poker: cards J < Q < K, we each ante 1 chip. Check or bet 1 chip; facing a bet, call or fold. "
+            f"The higher card wins the pot. Your card: {self.cards[0]}. "
         )
         if self.first:
             return intro + "You act first: check or bet?"

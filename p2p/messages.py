@@ -239,7 +239,9 @@ class RolloutSubmission:
                 {
                     "group": g.group,
                     "completions": [
-                        {"tokens": c.tokens, "logprobs": c.logprobs, "finish": c.finish_reason} for c in g.completions
+                        {"tokens": c.tokens, "logprobs": c.logprobs, "finish": c.finish_reason}
+                        | ({"spans": c.spans, "reward": c.reward} if c.spans else {})
+                        for c in g.completions
                     ],
                 }
                 for g in self.groups
@@ -247,10 +249,14 @@ class RolloutSubmission:
         }
 
     @classmethod
-    def from_wire(cls, msg: dict, group_size: int | list[int], max_tokens: int, vocab_size: int) -> RolloutSubmission:
+    def from_wire(
+        cls, msg: dict, group_size: int | list[int], max_tokens: int, vocab_size: int, max_turns: int = 0
+    ) -> RolloutSubmission:
         """Parse and check everything that does not need the lease: counts, token ids in the vocabulary,
         one logprob per token, each finite and in [LOGPROB_FLOOR, 0], a known finish reason. `group_size`:
-        the completions every group must have, or a list of them, one per group in order."""
+        the completions every group must have, or a list of them, one per group in order. `max_turns` > 0:
+        every completion is an episode of at most that many model turns, with its spans and its return
+        (their consistency with the environment is the learner's replay's to check: envs.episode)."""
         lease, version = _int(msg, "lease", 0, 2**64 - 1), _int(msg, "version", 0, MAX_VERSION)
         groups = msg.get("groups")
         if not isinstance(groups, list) or not groups:
@@ -280,7 +286,14 @@ class RolloutSubmission:
                     raise MessageError(f"logprobs must be floats in [{LOGPROB_FLOOR}, 0]")
                 if finish not in ("stop", "length"):
                     raise MessageError("finish must be 'stop' or 'length'")
-                out.append(Completion(tokens, logprobs, finish))
+                spans, reward = c.get("spans", []), c.get("reward")
+                if max_turns:
+                    spans = _ints(spans, "spans", 2 * max_turns - 1)
+                    if not spans or sum(spans) != len(tokens) or type(reward) is not float or not -1e6 <= reward <= 1e6:
+                        raise MessageError("an episode needs spans summing to its tokens and a finite float reward")
+                elif spans or reward is not None:
+                    raise MessageError("spans and reward belong to an environment's episodes; this run has none")
+                out.append(Completion(tokens, logprobs, finish, spans, reward))
             parsed.append(GroupSubmission(_int(group, "group", 0, 2**63 - 1), out))
         return cls(lease, version, parsed)
 
@@ -299,14 +312,18 @@ def _map(msg: object, key: str) -> dict:
 
 @dataclass(frozen=True)
 class SpecReply:
-    """/echo/spec/1 reply: the run's id (a new one when the learner restarts), the model, and G."""
+    """/echo/spec/1 reply: the run's id (a new one when the learner restarts), the model, and G. `env`: a run
+    on a multi-turn environment sends its rules, {"spec": envs.EnvSpec, "chat": envs.chat.ChatFormat} as
+    wire maps (envs parses them: p2p does not know environments)."""
 
     run_id: str
     spec: ModelSpec
     group_size: int
+    env: dict | None = None
 
     def to_wire(self) -> dict:
-        return {"run_id": self.run_id, "spec": self.spec.to_dict(), "group_size": self.group_size}
+        out = {"run_id": self.run_id, "spec": self.spec.to_dict(), "group_size": self.group_size}
+        return out | ({"env": self.env} if self.env is not None else {})
 
     @classmethod
     def from_wire(cls, msg: dict) -> SpecReply:
@@ -317,7 +334,12 @@ class SpecReply:
             spec = ModelSpec.from_dict(_map(msg.get("spec"), "spec"))
         except (KeyError, TypeError) as exc:
             raise MessageError(f"'spec' is not a model spec ({exc})") from None
-        return cls(run_id, spec, _int(msg, "group_size", 1, 1 << 16))
+        env = msg.get("env")
+        if env is not None:
+            env = _map(env, "env")
+            _map(env.get("spec"), "env.spec")
+            _map(env.get("chat"), "env.chat")
+        return cls(run_id, spec, _int(msg, "group_size", 1, 1 << 16), env)
 
 
 @dataclass(frozen=True)
@@ -336,7 +358,9 @@ class LeaseGrant:
         return {
             "id": self.id,
             "groups": [
-                {"group": r.group, "prompt_ids": r.prompt_ids, **({"greedy": True} if r.greedy else {})}
+                {"group": r.group, "prompt_ids": r.prompt_ids}
+                | ({"greedy": True} if r.greedy else {})
+                | ({"episode": r.episode} if r.episode is not None else {})
                 for r in self.requests
             ],
             "group_size": next((r.group_size for r in self.requests if not r.greedy), 1),
@@ -357,8 +381,9 @@ class LeaseGrant:
             greedy = g.get("greedy", False)
             if not isinstance(greedy, bool):
                 raise MessageError("'greedy' must be true or false")
+            episode = _int(g, "episode", 0, 2**63 - 1) if "episode" in g else None
             requests.append(GenerationRequest(_ints(g.get("prompt_ids"), "prompt_ids"), 1 if greedy else group_size,
-                                              _int(g, "group", 0, 2**63 - 1), greedy))  # fmt: skip
+                                              _int(g, "group", 0, 2**63 - 1), greedy, episode=episode))  # fmt: skip
         p = _map(msg.get("params"), "params")
         params = SamplingParams(
             _float(p, "temperature", 1e-6, 100.0), _float(p, "top_p", 1e-6, 1.0),

@@ -61,17 +61,22 @@ def parse_header(header: bytes, max_size: int) -> tuple[int, int]:
     return length, flags
 
 
+def bounded_decompress(data: bytes, max_size: int) -> bytes:
+    """zstd `data` decompressed, at most max_size bytes (FrameError otherwise, or if it is not zstd)."""
+    try:  # a streaming read: the frame's own claimed content size is never trusted for allocation
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)) as reader:
+            out = reader.read(max_size + 1)
+    except (zstandard.ZstdError, TypeError) as exc:
+        raise FrameError(f"bad zstd body: {exc}") from None
+    if len(out) > max_size:
+        raise FrameError(f"decompressed data exceeds the limit of {max_size}")
+    return out
+
+
 def decode_body(body: bytes, flags: int, limits: FrameLimits) -> dict[str, Any]:
     """The message of a frame's body, within `limits` (FrameError otherwise)."""
-    max_size = limits.max_bytes
     if flags & FLAG_ZSTD:
-        try:  # a streaming read: the frame's own claimed content size is never trusted for allocation
-            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)) as reader:
-                body = reader.read(max_size + 1)
-        except zstandard.ZstdError as exc:
-            raise FrameError(f"bad zstd body: {exc}") from None
-        if len(body) > max_size:
-            raise FrameError(f"decompressed frame exceeds the limit of {max_size}")
+        body = bounded_decompress(body, limits.max_bytes)
     try:
         message = msgpack.unpackb(
             body, raw=False, strict_map_key=True,

@@ -60,7 +60,8 @@ def test_learner_and_two_workers_train(swarm, mode, staleness, wire, topk, w2, t
     assert all("now on v" in swarm.log(w) for w in ("w1", "w2"))
     res = run_cli("report", str(swarm.run_dir), "--json")  # every plot of a swarm run, from real metrics
     assert res.returncode == 0, res.stderr
-    assert [s.split(":")[0] for s in json.loads(res.stdout)["skipped"]] == ["eval.png"]  # no --eval-every here
+    skipped = [s.split(":")[0] for s in json.loads(res.stdout)["skipped"]]
+    assert skipped == ["eval.png", "episodes.png"]  # no --eval-every, no --env here
     check_pngs(swarm.run_dir / "report", PLOTS)
 
 

@@ -41,6 +41,8 @@ class WorkerConfig:
     """Multiaddr to listen on for other workers (peer-assisted broadcast)."""
     secret_file: str = ""
     """File holding the swarm secret, if the learner requires one."""
+    allow_env: str = ""
+    """Plugin environments (module:Class, comma-separated) this worker may import for a run; built-in ones need none."""
 
     def validate(self) -> None:
         require(self.learner.startswith("/") and "/p2p/" in self.learner, "worker.learner",

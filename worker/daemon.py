@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from envs import EnvSpec
+from envs.chat import ChatFormat
+from envs.episode import EpisodeRules, play_episodes
 from p2p.auth import authenticate, read_secret
 from p2p.broadcast import BroadcastPeer, ChunkStore
 from p2p.config import ConfigError
@@ -64,6 +67,7 @@ class WorkerDaemon:
         self.peer: BroadcastPeer | None = None
         self.engine: Any = None
         self.spec: ModelSpec | None = None
+        self.episodes: EpisodeRules | None = None  # a run on a multi-turn environment: its rules
         self.fetcher: VersionFetcher | None = None  # syncs and stages new versions in the background
         self.version = -1  # the policy version the engine runs (a LoRA version: adapters on their base)
         self.versions_installed = 0
@@ -192,6 +196,7 @@ class WorkerDaemon:
             self.fetcher = VersionFetcher(
                 self.peer, self.engine, reply.spec, self._beat, lambda: self.version, self.cfg.poll_s
             ).start()
+        self.episodes = None if reply.env is None else episode_rules(reply.env, self.cfg.allow_env)
         self.spec = reply.spec
 
     def _beat(self) -> int:
@@ -219,9 +224,14 @@ class WorkerDaemon:
         log.debug("lease %d: %d groups on v%d", lease.id, len(requests), version)
         self.state = f"generating lease {lease.id} ({len(requests)} groups) on v{version}"
         tick = time.perf_counter()
-        groups = generate_lease(self.engine, requests, lease.params)  # greedy groups: held-out evaluation
+        if any(r.episode is not None for r in requests):  # an environment's groups: episodes, turn by turn
+            if self.episodes is None:
+                raise MessageError("a lease of episodes from a run that named no environment")
+            groups = play_episodes(self.engine.generate, requests, lease.params, self.episodes)
+        else:
+            groups = generate_lease(self.engine, requests, lease.params)  # greedy groups: held-out evaluation
         elapsed = time.perf_counter() - tick
-        tokens = sum(len(c.tokens) for g in groups for c in g)
+        tokens = sum(sum(c.spans[::2]) if c.spans else len(c.tokens) for g in groups for c in g)  # sampled ones
         self.tokens_per_s = tokens / max(elapsed, 1e-9)
         payload = RolloutSubmission(
             lease.id, version, [GroupSubmission(r.group, cs) for r, cs in zip(requests, groups, strict=True)]
@@ -232,3 +242,15 @@ class WorkerDaemon:
             log.debug("lease %d accepted: %d groups", lease.id, reply.accepted)
         except RemoteError as exc:  # e.g. the lease expired while we generated: the work is discarded
             log.warning("rollouts refused: %s", exc)
+
+
+def episode_rules(env: dict, allowed: str) -> EpisodeRules:
+    """The rules of the learner's environment (p2p.messages.SpecReply.env). A plugin environment is code this
+    worker would import by a name the learner sent, so only one the operator allowed (--allow-env) is."""
+    spec = EnvSpec.from_wire(env["spec"])
+    if ":" in spec.name and spec.name not in [a.strip() for a in allowed.split(",")]:
+        raise ConfigError(
+            f"the learner's run plays environment {spec.name!r}, which this worker would import: join with "
+            f"--allow-env {spec.name} if you trust it (and have it installed)"
+        )
+    return EpisodeRules.of(spec, ChatFormat.from_wire(env["chat"]))

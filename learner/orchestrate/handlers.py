@@ -28,6 +28,7 @@ from learner.orchestrate.workers import WorkerRecord
 from learner.plan.admission import LeaseAdmission
 from learner.plan.scheduler import Decision, Scheduler, SchedulerConfig
 from learner.tasks import Task
+from learner.tasks.environment import episode_rules
 from learner.train.devices import describe_device
 from learner.train.models import Policy
 from learner.train.trainer import model_device
@@ -39,7 +40,6 @@ from p2p.messages import (
     ROLLOUT,
     SPEC,
     STATUS,
-    GenerationRequest,
     Heartbeat,
     HeartbeatReply,
     LeaseGrant,
@@ -96,6 +96,8 @@ class LearnerService:
         )
         self.versions = PolicyVersions(swarm.publish_every)
         self.prompts = PromptBook(task, policy, cfg.run.seed)
+        episodes = episode_rules(task)  # a multi-turn environment's: workers get its rules with the spec
+        self.env_wire = None if episodes is None else {"spec": episodes.spec.to_wire(), "chat": episodes.chat.to_wire()}
         device = model_device(policy.model)
         self.device = f"{describe_device(device)}, {cfg.model.precision}" + (
             ", gradient checkpointing" if cfg.model.grad_checkpointing else "")  # fmt: skip
@@ -196,7 +198,7 @@ class LearnerService:
 
     def _on_spec(self, peer: str, msg: dict) -> dict:
         self._worker(peer)
-        return SpecReply(self.run_id, self.spec, self.cfg.grpo.group_size).to_wire()
+        return SpecReply(self.run_id, self.spec, self.cfg.grpo.group_size, self.env_wire).to_wire()
 
     def _on_heartbeat(self, peer: str, msg: dict) -> dict:
         beat = Heartbeat.from_wire(msg)  # bounded types and ranges (MessageError: a penalty)
@@ -262,7 +264,7 @@ class LearnerService:
         sampler, group_size = self.cfg.sampler, self.cfg.grpo.group_size
         grant = LeaseGrant(
             lease.lease_id,
-            [GenerationRequest(self.prompts[g][1], group_size, g) for g in lease.group_ids],
+            [self.prompts.request(g, group_size) for g in lease.group_ids],
             SamplingParams(sampler.temperature, sampler.top_p, sampler.max_new_tokens, seed=lease.lease_id),
             min_version=request.version,
             deadline_s=admitted.timeout_s,
@@ -335,6 +337,12 @@ class LearnerService:
             "memory_gib": last.get("memory_gib"),
             "utilisation": last.get("utilisation"),
             "reward": last.get("reward_mean"),
+            "environment": None
+            if self.env_wire is None
+            else {
+                "name": self.cfg.env.env,
+                **{k: last.get(k) for k in ("turns_per_episode", "tokens_per_episode", "model_tokens_per_episode")},
+            },
             "buffer": self.buffer.held,
             "set_aside": self.buffer.set_aside,
             "rollouts_per_s": round(self.buffer.added * self.cfg.grpo.group_size / max(now - self.started, 1e-9), 2),

@@ -17,6 +17,7 @@ import random
 import threading
 import time
 
+from envs.episode import ReplayError
 from learner.config import LearnerConfig
 from learner.orchestrate.evaluations import EvalBoard
 from learner.orchestrate.journal import RolloutJournal
@@ -29,9 +30,10 @@ from learner.orchestrate.workers import WorkerRecord
 from learner.plan.admission import within_staleness
 from learner.plan.scheduler import Scheduler
 from learner.tasks import Problem, Task
+from learner.tasks.environment import episode_rules
 from learner.train.models import Policy
 from p2p.host import BadRequest, Misbehaviour
-from p2p.messages import MessageError, RolloutReply, RolloutSubmission
+from p2p.messages import GenerationRequest, MessageError, RolloutReply, RolloutSubmission
 from p2p.wire import FrameLimits
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,12 @@ class PromptBook:
                 self._problems[group_id] = (problem, self.policy.render_prompt(problem.prompt))
             return self._problems[group_id]
 
+    def request(self, group_id: int, group_size: int) -> GenerationRequest:
+        """What a lease asks of group `group_id`: its prompt G times (an environment's: G episodes of its seed)."""
+        problem, prompt_ids = self[group_id]
+        episode = problem.answer if episode_rules(self.task) is not None else None
+        return GenerationRequest(prompt_ids, group_size, group_id, episode=episode)
+
     def forget(self, group_ids: list[int]) -> None:
         with self._lock:
             for g in group_ids:
@@ -71,7 +79,8 @@ class RolloutIntake:
         self.leases, self.verifier, self.journal, self.buffer = leases, verifier, journal, buffer
         self.scheduler, self._sched_lock = scheduler, scheduler_lock
         self.evals: EvalBoard | None = None  # held-out evaluation leases (learner.orchestrate.evaluations)
-        self.tokens_accepted = 0  # completion tokens of all accepted rollouts: mean length turns tokens/s to rollouts/s
+        self.tokens_accepted = 0  # sampled tokens of all accepted rollouts: mean length turns tokens/s to rollouts/s
+        self.episodes = episode_rules(prompts.task)  # a multi-turn environment's rules, or None
         self._lock = threading.Lock()
 
     def submit(self, worker: WorkerRecord, msg: dict) -> RolloutReply:
@@ -81,8 +90,9 @@ class RolloutIntake:
             return self._take_evaluation(worker, msg)
         try:
             submission = RolloutSubmission.from_wire(
-                msg, cfg.grpo.group_size, cfg.sampler.max_new_tokens, self.vocab_size
-            )
+                msg, cfg.grpo.group_size, completion_tokens(cfg), self.vocab_size,
+                max_turns=cfg.env.max_turns if self.episodes else 0,
+            )  # fmt: skip
         except MessageError:
             worker.refused += 1
             self._give_back(peer, msg.get("lease"))  # junk must not hold prompt groups until the lease times out
@@ -103,16 +113,21 @@ class RolloutIntake:
             raise
 
     def _take(self, worker: WorkerRecord, lease: Lease, submission: RolloutSubmission, arrived: float) -> RolloutReply:
-        """Check, verify, score, journal and buffer a submission whose lease is closed."""
+        """Check, score, verify, journal and buffer a submission whose lease is closed. Scoring comes before the
+        verifier's replay: it replays an environment's episodes (cheap, no model) and flags a forged one."""
         peer = worker.peer_id
         self._check_against_lease(lease, submission)
-        verified = self._verify(peer, lease.lease_id, submission)
         version = submission.version
         problems = [self.prompts[g] for g in lease.group_ids]
-        scored = score_groups(
-            self.prompts.task, self.prompts.policy, [p for p, _ in problems], [ids for _, ids in problems],
-            [g.completions for g in submission.groups], version,
-        )  # fmt: skip
+        try:
+            scored = score_groups(
+                self.prompts.task, self.prompts.policy, [p for p, _ in problems], [ids for _, ids in problems],
+                [g.completions for g in submission.groups], version,
+            )  # fmt: skip
+        except ReplayError as exc:  # an observation, ending or return the environment does not reproduce
+            self.verifier.flag(peer, f"an episode does not replay: {exc}")
+            self._drop_flagged(peer)
+        verified = self._verify(peer, lease.lease_id, submission)
         groups = [ScoredGroup(g, version, peer, rollouts) for g, rollouts in zip(lease.group_ids, scored, strict=True)]
         self.journal.accept(groups)  # on disk before the worker hears "accepted" (learner.orchestrate.journal)
         self.prompts.forget(lease.group_ids)  # a group is scored once: its prompt need not be kept any more
@@ -126,7 +141,7 @@ class RolloutIntake:
                 self.scheduler.group_arrived(peer, fresh=fresh)
         with self._lock:
             worker.groups_accepted += len(scored)
-            self.tokens_accepted += sum(len(r.completion_ids) for g in scored for r in g)
+            self.tokens_accepted += sum(r.model_tokens for g in scored for r in g)
         return RolloutReply(len(scored))
 
     def _give_back(self, peer: str, lease_id: object) -> None:
@@ -154,7 +169,9 @@ class RolloutIntake:
             if not self.verifier.wants(peer):
                 continue
             prompt = self.prompts[group.group][1]
-            rollouts = [Rollout(prompt, c.tokens, c.logprobs, 0.0, 0.0, submission.version) for c in group.completions]
+            rollouts = [
+                Rollout(prompt, c.tokens, c.logprobs, 0.0, 0.0, submission.version, c.spans) for c in group.completions
+            ]
             # None: the claimed version left the window of kept weights, so the group is too stale to train on
             if self.verifier.check(peer, submission.version, lease_id, group.group, rollouts) is not None:
                 checked += 1
@@ -193,17 +210,20 @@ class RolloutIntake:
         return RolloutReply(2 * result["prompts"])
 
 
+def completion_tokens(cfg: LearnerConfig) -> int:
+    """The most tokens one completion may hold: max_new_tokens, or an episode's max_episode_tokens."""
+    return cfg.env.max_episode_tokens if cfg.env.env else cfg.sampler.max_new_tokens
+
+
 def rollout_limits(cfg: LearnerConfig) -> FrameLimits:
-    """What one rollout submission may hold: a lease's groups of G completions of at most max_new_tokens
+    """What one rollout submission may hold: a lease's groups of G completions of at most completion_tokens
     tokens, at most 16 bytes of msgpack per token (an int and a float64) plus framing; twice that, as slack.
     With --eval-every, at least an evaluation lease's completions."""
-    grpo, tokens = cfg.grpo, cfg.sampler.max_new_tokens
+    grpo, tokens = cfg.grpo, completion_tokens(cfg)
     completions, groups = cfg.swarm.groups_per_lease * grpo.group_size, cfg.swarm.groups_per_lease
     if cfg.eval.eval_every:  # an evaluation lease: a greedy and a k-sample group per held-out prompt
         completions = max(completions, cfg.eval.eval_prompts * (1 + cfg.eval.eval_samples))
         groups = max(groups, 2 * cfg.eval.eval_prompts)
     size = completions * (16 * tokens + 64) + 4096
-    return FrameLimits(
-        max_bytes=2 * size, max_array=max(tokens, grpo.group_size, cfg.eval.eval_samples, groups, 16),
-        max_map=16, max_str=64, max_bin=0,
-    )  # fmt: skip
+    arrays = max(tokens, grpo.group_size, cfg.eval.eval_samples, groups, 2 * cfg.env.max_turns, 16)  # spans too
+    return FrameLimits(max_bytes=2 * size, max_array=arrays, max_map=16, max_str=64, max_bin=0)

@@ -260,6 +260,11 @@ class RolloutVerifier:
                 )
         return gap
 
+    def flag(self, worker: str, why: str) -> None:
+        """Flag `worker` for a forgery found elsewhere (an episode its environment does not replay)."""
+        with self._lock:
+            self.flagged[worker] = why
+
     def recent(self) -> tuple[list[float], list[float]]:
         """The divergences and draw misses of the newest checked groups (a copy: handlers add to them)."""
         with self._lock:

@@ -1,0 +1,38 @@
+"""A worker that plays its episodes honestly, then alters them before submitting (the replay tests):
+
+    python -m tests.forging_worker observation|reward --learner ADDR --identity KEY --work-dir DIR
+
+`observation` changes one token of an episode's first observation, `reward` claims a return one higher.
+Everything else is the real daemon (worker.daemon.WorkerDaemon).
+"""
+
+import dataclasses
+import sys
+
+from echo_cli.terminal import setup_logging
+from worker import daemon
+from worker.config import WorkerConfig
+
+honest_play = daemon.play_episodes
+
+
+def forged_play(generate, requests, params, rules):
+    groups = honest_play(generate, requests, params, rules)
+    for group in groups:
+        first = group[0]
+        if FORGE == "reward":
+            group[0] = dataclasses.replace(first, reward=first.reward + 1.0)
+        elif len(first.spans) > 1:  # an observation to change
+            tokens = list(first.tokens)
+            tokens[first.spans[0]] = (tokens[first.spans[0]] + 1) % 200
+            group[0] = dataclasses.replace(first, tokens=tokens)
+    return groups
+
+
+if __name__ == "__main__":
+    FORGE = sys.argv[1]
+    args = dict(zip(sys.argv[2::2], sys.argv[3::2], strict=True))
+    setup_logging(False)
+    daemon.play_episodes = forged_play
+    cfg = WorkerConfig(learner=args["--learner"], identity=args["--identity"], work_dir=args["--work-dir"])
+    daemon.WorkerDaemon(cfg).run()

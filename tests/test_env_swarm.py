@@ -1,0 +1,64 @@
+"""Multi-turn environments through the swarm: a real learner and workers play episodes, the learner replays
+them, and a worker that alters an observation or a return is flagged like any other forger."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+
+@pytest.mark.parametrize("env", ["sokoban", "calculator", "kuhn-poker", "tests.guess_env:GuessEnv"])
+def test_every_environment_trains_through_a_worker(swarm, env):
+    learner = swarm.learner("--env", env, "--steps", "2", "--max-episode-tokens", "200", "--verify-first", "100")
+    worker = swarm.worker("w1", *(["--allow-env", env] if ":" in env else []))
+    assert swarm.wait(learner, 300) == 0, swarm.log("learner")[-3000:]
+    worker.terminate()
+    metrics = swarm.metrics()
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["turns_per_episode"] >= 1 and m["tokens_per_episode"] >= m["model_tokens_per_episode"] > 0
+        assert m["groups_dropped_flagged"] == 0
+    [row] = metrics[-1]["workers"].values()
+    assert row["groups_accepted"] >= 4, row
+    res = run_cli("report", str(swarm.run_dir), "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["summary"]["turns_per_episode_last10"] >= 1
+    assert (swarm.run_dir / "report" / "episodes.png").stat().st_size > 1000
+
+
+def test_a_worker_refuses_a_plugin_environment_it_was_not_allowed(swarm):
+    learner = swarm.learner("--env", "tests.guess_env:GuessEnv", "--steps", "1")
+    worker = swarm.worker("w1")
+    assert worker.wait(120) == 2
+    lines = [ln for ln in swarm.log("w1").splitlines() if "--allow-env" in ln]
+    assert lines and "tests.guess_env:GuessEnv" in lines[-1], swarm.log("w1")[-2000:]
+    assert learner.poll() is None
+    res = run_cli("status", "--learner", swarm.addr, "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["environment"]["name"] == "tests.guess_env:GuessEnv"
+    res = run_cli("status", "--learner", swarm.addr, columns=200)
+    assert "tests.guess_env:GuessEnv (no step yet)" in res.stdout
+
+
+@pytest.mark.parametrize("forge", ["observation", "reward"])
+def test_a_worker_that_alters_episodes_is_flagged(swarm, forge, tmp_path):
+    learner = swarm.learner("--env", "sokoban", "--steps", "2", "--max-episode-tokens", "200", "--verify-first", "0",
+                            "--verify-fraction", "0")  # fmt: skip
+    log = open(tmp_path / "forger.log", "w")  # noqa: SIM115 - closed with the process
+    forger = subprocess.Popen(
+        [sys.executable, "-m", "tests.forging_worker", forge, "--learner", swarm.addr,
+         "--identity", str(tmp_path / "forger.key"), "--work-dir", str(tmp_path / "forger")],
+        stdout=log, stderr=log, cwd=ROOT,
+    )  # fmt: skip
+    swarm.procs.append(forger)
+    honest = swarm.worker("honest")
+    assert swarm.wait(learner, 300) == 0, swarm.log("learner")[-3000:]
+    honest.terminate()
+    text = " ".join(swarm.log("learner").split())
+    assert "flagged: an episode does not replay" in text, text[-3000:]
+    reason = "observation after turn 0" if forge == "observation" else "claims reward"
+    assert reason in text
+    assert any(r["groups_accepted"] for r in swarm.metrics()[-1]["workers"].values())  # the honest worker's
