@@ -247,6 +247,7 @@ def test_observation_tokens_get_exactly_zero_gradient(tiny):
         ("tests.guess_env:Broken", {}, "failed to start an episode: RuntimeError: no board today"),
         ("tests.guess_env:GuessEnv", {"low": 3}, "has no argument 'low'"),
         ("sokoban", {"size": 40}, "size must be between 5 and 10"),
+        ("verifiers:wordle", {}, "not built yet"),
     ],
 )
 def test_bad_environment_specs_say_what_to_change(name, args, message):
