@@ -2,6 +2,7 @@
 trainer's zero gradient on observation tokens."""
 
 import dataclasses
+import json
 from collections import deque
 
 import pytest
@@ -19,6 +20,7 @@ from learner.train.models import chat_format, model_spec, tiny_policy
 from learner.train.trainer import GRPOTrainer, completion_logprobs
 from learner.train.wire_weights import wire_tensors
 from p2p.messages import Completion, GenerationRequest, SamplingParams, sampled_positions
+from tests.conftest import run_cli
 
 
 def rules_for(policy, name, args=None, **budgets) -> EpisodeRules:
@@ -264,3 +266,35 @@ def test_a_plugin_environment_plays(tiny):
     [[episode]] = play_episodes(scripted(rules.chat, guesses), [request], SamplingParams(), rules)
     assert episode.reward == 1.0 and (len(episode.spans) + 1) // 2 == secret.secret
     assert replay_episode(episode, 3, rules).turns == secret.secret
+
+
+@pytest.mark.parametrize("env", ["sokoban", "calculator", "kuhn-poker", "tests.guess_env:GuessEnv"])
+def test_every_environment_trains_colocated(tmp_path, env):
+    run = tmp_path / "R"
+    args = ["--env", env, "--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "16"]
+    res = run_cli("learner", "start", "--colocated", "--model", "tiny", "--run-dir", str(run), *args)
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in rows] == [1, 2]
+    for m in rows:
+        assert m["turns_per_episode"] >= 1 and m["tokens_per_episode"] >= m["model_tokens_per_episode"] > 0
+        assert m["gen_tokens_per_s"] > 0 and m["groups"] >= 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--env", "no_such_module:Env"], "cannot import 'no_such_module'"),
+        (["--env", "tests.guess_env:Missing"], "has no 'Missing'"),
+        (["--env", "calculator", "--env-args", "digits=40"], "digits must be between 1 and 9"),
+        (["--env-args", "digits=4"], "env.env_args: needs --env"),
+        (["--env", "sokoban", "--eval-every", "2"], "single-turn tasks only"),
+        (["--env", "sokoban", "--max-turns", "0"], "env.max_turns: must be >= 1"),
+    ],
+)
+def test_bad_environment_flags_give_one_line_errors(tmp_path, args, message):
+    res = run_cli("learner", "start", "--colocated", "--model", "tiny", "--run-dir", str(tmp_path / "r"), *args)
+    assert res.returncode == 2
+    lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0], res.stderr
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
