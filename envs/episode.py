@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from envs import EnvFactory, EnvSpec, make_env
+from envs import EnvError, EnvFactory, EnvSpec, make_env
 from envs.chat import ChatFormat
 from p2p.messages import Completion, GenerationRequest, SamplingParams
 
@@ -134,10 +134,10 @@ def _after_turn(e: _Live, tokens: list[int], logprobs: list[float], rules: Episo
 
 
 def step_reward(reward: object) -> float:
-    """A step's reward as a finite float (anything else counts 0), so returns compare exactly on replay."""
-    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-        return 0.0
-    return float(reward)
+    """A step's reward as a float; a non-finite one counts 0, as a task's reward does (learner.tasks)."""
+    if not isinstance(reward, int | float):  # bool is an int: True counts 1
+        raise EnvError(f"an environment's Step.reward must be a number, got {type(reward).__name__} {reward!r:.40}")
+    return float(reward) if math.isfinite(reward) else 0.0
 
 
 @dataclass(frozen=True)

@@ -298,3 +298,20 @@ def test_bad_environment_flags_give_one_line_errors(tmp_path, args, message):
     lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0], res.stderr
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_an_episode_survives_the_rollout_journal(tmp_path):
+    """What the swarm learner journals (to train on after a crash) keeps an episode's spans; records written
+    before episodes existed read as single-turn completions."""
+    from learner.orchestrate.journal import RolloutJournal, group_of, read_journal
+    from learner.orchestrate.rollouts import ScoredGroup
+
+    episode = Rollout([1, 2], [3, 4, 5, 6, 7], [-0.5, 0.0, 0.0, -0.25, -1.0], 1.0, 0.5, 0, [1, 2, 2])
+    single = Rollout([1, 2], [3], [-0.5], 0.0, -0.5, 0)
+    journal = RolloutJournal(tmp_path, staleness=1, fsync=False)
+    journal.open(0)
+    journal.issue([0])
+    journal.accept([ScoredGroup(0, 0, "w", [episode, single])])
+    journal.close()
+    restored = group_of(read_journal(tmp_path, 0).groups[0]).rollouts
+    assert restored == [episode, single] and restored[0].model_tokens == 3
