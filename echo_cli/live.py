@@ -23,6 +23,8 @@ def step_line(m: dict, total: int) -> str:
         line += f" wait {m['seconds']['wait']:.1f}s util {m['utilisation']:.0%} buffer {m['buffer']}"
     else:
         line += f" gen {m['seconds']['generate']:.1f}s ({m['gen_tokens_per_s']:.0f} tok/s)"
+    if "turns_per_episode" in m:  # a multi-turn environment
+        line += f" episodes {m['turns_per_episode']:.1f} turns, {m['tokens_per_episode']:.0f} tokens"
     return line + (f"; held-out {held_out(m['eval'])}" if "eval" in m else "")
 
 
