@@ -57,7 +57,8 @@ class FunctionTask:
 def train(cfg: LearnerConfig, task: Task | None = None, resume: bool = False) -> Iterator[dict]:
     """A co-located run (`echo-rl learner start --colocated`) from a config object; yields each step's record
     as it is written to RUN_DIR/metrics.jsonl. `task`: any object with name, sample and reward (a
-    FunctionTask) instead of cfg.task."""
+    FunctionTask) instead of cfg.task. A multi-turn environment: cfg.env.env = "module:Class" (or a
+    built-in name), see docs/environments.md."""
     from echo_cli.research import sampler_engine
     from learner.colocated_loop import train_colocated
 

@@ -105,7 +105,9 @@ def open_run(cfg: LearnerConfig, resume: bool, world: World | None = None, task:
         raise ConfigError(f"--resume: no checkpoint in {run_dir}/checkpoints; start without --resume")
     if not resume and (checkpoints or metrics_path.exists()):
         raise ConfigError(f"{run_dir} already holds a run: pass --resume to continue it or choose another --run-dir")
-    envs = make_env(cfg.env.env, cfg.env.env_args) if cfg.env.env and task is None else None  # fails fast
+    if cfg.env.env and task is not None:
+        raise ConfigError(f"a task object and --env {cfg.env.env} were both given: train on one of them")
+    envs = make_env(cfg.env.env, cfg.env.env_args) if cfg.env.env else None  # a bad one fails before the model loads
     run_dir.mkdir(parents=True, exist_ok=True)
 
     policy = load_run_policy(cfg.model, cfg.run.seed)
