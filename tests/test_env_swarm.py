@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import ROOT, run_cli
 
 
-@pytest.mark.parametrize("env", ["sokoban", "calculator", "kuhn-poker", "tests.guess_env:GuessEnv"])
+@pytest.mark.parametrize("env", ["sokoban", "calculator", "kuhn-poker", "examples.guess_env:GuessEnv"])
 def test_every_environment_trains_through_a_worker(swarm, env):
     learner = swarm.learner("--env", env, "--steps", "2", "--max-episode-tokens", "200", "--verify-first", "100")
     worker = swarm.worker("w1", *(["--allow-env", env] if ":" in env else []))
@@ -30,17 +30,17 @@ def test_every_environment_trains_through_a_worker(swarm, env):
 
 
 def test_a_worker_refuses_a_plugin_environment_it_was_not_allowed(swarm):
-    learner = swarm.learner("--env", "tests.guess_env:GuessEnv", "--steps", "1")
+    learner = swarm.learner("--env", "examples.guess_env:GuessEnv", "--steps", "1")
     worker = swarm.worker("w1")
     assert worker.wait(120) == 2
     lines = [ln for ln in swarm.log("w1").splitlines() if "--allow-env" in ln]
-    assert lines and "tests.guess_env:GuessEnv" in lines[-1], swarm.log("w1")[-2000:]
+    assert lines and "examples.guess_env:GuessEnv" in lines[-1], swarm.log("w1")[-2000:]
     assert learner.poll() is None
     res = run_cli("status", "--learner", swarm.addr, "--json")
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["environment"]["name"] == "tests.guess_env:GuessEnv"
+    assert json.loads(res.stdout)["environment"]["name"] == "examples.guess_env:GuessEnv"
     res = run_cli("status", "--learner", swarm.addr, columns=200)
-    assert "tests.guess_env:GuessEnv (no step yet)" in res.stdout
+    assert "examples.guess_env:GuessEnv (no step yet)" in res.stdout
 
 
 @pytest.mark.parametrize("forge", ["observation", "reward"])

@@ -242,12 +242,12 @@ def test_observation_tokens_get_exactly_zero_gradient(tiny):
     [
         ("chess", {}, "unknown environment 'chess'"),
         ("no_such_module:Env", {}, "cannot import 'no_such_module'"),
-        ("tests.guess_env:Missing", {}, "has no 'Missing'"),
-        ("tests.guess_env:not_a_class", {}, "must be a class"),
-        ("tests.guess_env", {}, "unknown environment"),
-        ("tests.guess_env:", {}, "module:Class"),
-        ("tests.guess_env:Broken", {}, "failed to start an episode: RuntimeError: no board today"),
-        ("tests.guess_env:GuessEnv", {"low": 3}, "has no argument 'low'"),
+        ("examples.guess_env:Missing", {}, "has no 'Missing'"),
+        ("tests.bad_envs:not_a_class", {}, "must be a class"),
+        ("examples.guess_env", {}, "unknown environment"),
+        ("examples.guess_env:", {}, "module:Class"),
+        ("tests.bad_envs:Broken", {}, "failed to start an episode: RuntimeError: no board today"),
+        ("examples.guess_env:GuessEnv", {"low": 3}, "has no argument 'low'"),
         ("sokoban", {"size": 40}, "size must be between 5 and 10"),
         ("verifiers:wordle", {}, "not built yet"),
     ],
@@ -258,8 +258,8 @@ def test_bad_environment_specs_say_what_to_change(name, args, message):
 
 
 def test_a_plugin_environment_plays(tiny):
-    rules = rules_for(tiny, "tests.guess_env:GuessEnv", {"high": 4})
-    secret = make_env("tests.guess_env:GuessEnv", {"high": 4})()
+    rules = rules_for(tiny, "examples.guess_env:GuessEnv", {"high": 4})
+    secret = make_env("examples.guess_env:GuessEnv", {"high": 4})()
     secret.reset(3)
     guesses = [str(n) for n in range(1, 5)]
     request = GenerationRequest(tiny.render_prompt("guess"), 1, 0, episode=3)
@@ -268,7 +268,7 @@ def test_a_plugin_environment_plays(tiny):
     assert replay_episode(episode, 3, rules).turns == secret.secret
 
 
-@pytest.mark.parametrize("env", ["sokoban", "calculator", "kuhn-poker", "tests.guess_env:GuessEnv"])
+@pytest.mark.parametrize("env", ["sokoban", "calculator", "kuhn-poker", "examples.guess_env:GuessEnv"])
 def test_every_environment_trains_colocated(tmp_path, env):
     run = tmp_path / "R"
     args = ["--env", env, "--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "16"]
@@ -285,7 +285,7 @@ def test_every_environment_trains_colocated(tmp_path, env):
     "args, message",
     [
         (["--env", "no_such_module:Env"], "cannot import 'no_such_module'"),
-        (["--env", "tests.guess_env:Missing"], "has no 'Missing'"),
+        (["--env", "examples.guess_env:Missing"], "has no 'Missing'"),
         (["--env", "calculator", "--env-args", "digits=40"], "digits must be between 1 and 9"),
         (["--env-args", "digits=4"], "env.env_args: needs --env"),
         (["--env", "sokoban", "--eval-every", "2"], "single-turn tasks only"),
