@@ -52,7 +52,9 @@ app.command("export")(export_command)
 def learner_start(
     overrides: dict,
     config: Path | None = typer.Option(
-        None, "--config", help=r"TOML file with \[run] \[model] \[task] \[grpo] \[sampler] \[swarm] \[eval] tables."
+        None,
+        "--config",
+        help=r"TOML file with \[run] \[model] \[task] \[env] \[grpo] \[sampler] \[swarm] \[eval] tables.",
     ),
     colocated: bool = typer.Option(False, "--colocated", help="Generate, train and reload in this one process."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its newest checkpoint."),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from learner.config import LearnerConfig
@@ -40,6 +40,7 @@ class Sample:
     tokens: list[int]
     logprobs: list[float]  # log mu of each token under the distribution it was drawn from
     text: str
+    spans: list[int] = field(default_factory=list)  # one completion (score_groups reads it as an episode's turns)
 
 
 class _Optimizer:
