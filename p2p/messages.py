@@ -101,6 +101,11 @@ class Completion:
     reward: float | None = None  # an episode's return, as the worker's environment computed it
 
 
+def sampled_count(n_tokens: int, spans: list[int]) -> int:
+    """How many of a completion's `n_tokens` the policy sampled (see sampled_positions)."""
+    return sum(spans[::2]) if spans else n_tokens
+
+
 def sampled_positions(n_tokens: int, spans: list[int]) -> list[int]:
     """The indices of the sampled tokens among a completion's `n_tokens`.
 

@@ -49,6 +49,7 @@ from p2p.messages import (
     RolloutSubmission,
     SpecReply,
     describe_hardware,
+    sampled_count,
 )
 from worker.config import WorkerConfig
 from worker.engines import generate_lease, make_engine
@@ -231,7 +232,7 @@ class WorkerDaemon:
         else:
             groups = generate_lease(self.engine, requests, lease.params)  # greedy groups: held-out evaluation
         elapsed = time.perf_counter() - tick
-        tokens = sum(sum(c.spans[::2]) if c.spans else len(c.tokens) for g in groups for c in g)  # sampled ones
+        tokens = sum(sampled_count(len(c.tokens), c.spans) for g in groups for c in g)  # sampled ones
         self.tokens_per_s = tokens / max(elapsed, 1e-9)
         payload = RolloutSubmission(
             lease.id, version, [GroupSubmission(r.group, cs) for r, cs in zip(requests, groups, strict=True)]

@@ -19,7 +19,7 @@ from learner.tasks import Problem, Task
 from learner.tasks.environment import episode_rules
 from learner.train.grpo import clamp_reward, group_advantages
 from learner.train.models import Policy
-from p2p.messages import Completion
+from p2p.messages import Completion, sampled_count
 
 
 @dataclass
@@ -37,7 +37,7 @@ class Rollout:
     @property
     def model_tokens(self) -> int:
         """Tokens the policy sampled: all of a completion's, an episode's model turns (not its observations)."""
-        return sum(self.spans[::2]) if self.spans else len(self.completion_ids)
+        return sampled_count(len(self.completion_ids), self.spans)
 
 
 @dataclass
