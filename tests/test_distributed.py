@@ -36,9 +36,10 @@ def test_learner_and_two_workers_train(swarm, mode, staleness, wire, topk, w2, t
     data = tmp_path / "prompts.jsonl"  # a reward half of a random model's samples earn: groups carry signal
     data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": 0}) + "\n" for i in range(8)))
     task = ["--task", f"jsonl:{data}", "--task-args", "reward=tests.rewards:starts_ascii"]
+    # --min-workers 2: no lease until both hold v0, else the first worker up may do the whole run alone
     learner = swarm.learner(
         "--steps", "8", "--sync-mode", mode, "--staleness", str(staleness), "--wire-dtype", wire,
-        "--wire-topk", topk, "--full-every", "3", *task,
+        "--wire-topk", topk, "--full-every", "3", "--min-workers", "2", *task,
     )  # fmt: skip
     workers = [swarm.worker("w1"), swarm.worker("w2", *w2)]
     assert swarm.wait(learner, 240) == 0, swarm.log("learner")[-3000:]
