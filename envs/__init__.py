@@ -40,12 +40,14 @@ class Environment(Protocol):
         """Apply the model's turn (its text, special tokens removed); return the observation and reward."""
         ...
 
+    # Optional: close() frees what an episode holds; it is called once the episode is over (close_env).
+
 
 class EnvError(ValueError):
     """An environment name, plugin spec or argument that cannot be used; the message says what is allowed."""
 
 
-ENV_NAMES = ("sokoban", "calculator", "kuhn-poker", "module:Class")
+ENV_NAMES = ("sokoban", "calculator", "kuhn-poker", "module:Class", "verifiers:ENV_ID")
 
 EnvFactory = Callable[[], Environment]
 
@@ -65,11 +67,10 @@ def make_env(name: str, args: dict[str, Any] | None = None) -> EnvFactory:
     before a run starts, with one line saying what to change."""
     args = dict(args or {})
     if name.startswith("verifiers:"):
-        raise EnvError(
-            f"environment {name!r}: running environments of the verifiers package is not built yet; write the "
-            "environment as a class with reset(seed) and step(action) (docs/environments.md)"
-        )
-    if ":" in name:
+        from envs.verifiers_env import verifiers_factory  # imports verifiers only for its environments
+
+        factory = verifiers_factory(name.removeprefix("verifiers:"), args)
+    elif ":" in name:
         factory = _plugin(name, args)
     else:
         classes = builtin_envs()
@@ -123,14 +124,29 @@ def _check_args(cls: type, name: str, args: dict[str, Any]) -> None:
 
 def _try(factory: EnvFactory, name: str) -> None:
     try:
-        env = factory()
-        first = env.reset(0)
+        first = first_message(factory, 0)
     except EnvError:
         raise
     except Exception as exc:  # noqa: BLE001 - a user's environment failing its first episode, in one line
         raise EnvError(f"environment {name!r} failed to start an episode: {type(exc).__name__}: {exc}") from None
     if not isinstance(first, str):
         raise EnvError(f"environment {name!r}: reset(seed) must return the first user message as a str")
+
+
+def first_message(factory: EnvFactory, seed: int) -> str:
+    """The first user message of episode `seed` (a fresh environment, reset and closed)."""
+    env = factory()
+    try:
+        return env.reset(seed)
+    finally:
+        close_env(env)
+
+
+def close_env(env: object) -> None:
+    """Call an environment's optional close() (an episode is over: free what it holds)."""
+    close = getattr(env, "close", None)
+    if callable(close):
+        close()
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from envs import EnvError, EnvFactory, EnvSpec, make_env
+from envs import EnvError, EnvFactory, EnvSpec, close_env, make_env
 from envs.chat import ChatFormat
-from p2p.messages import Completion, GenerationRequest, SamplingParams
+from p2p.messages import Completion, GenerationRequest, SamplingParams, sampled_count
 
 Generate = Callable[[Sequence[GenerationRequest], SamplingParams], list[list[Completion]]]
 
@@ -75,17 +75,33 @@ def play_episodes(
     The first turns go to the engine as the requests themselves (a group's episodes share its prompt, so an
     engine prefills it once); every later turn of every live episode in one call per distinct token budget.
     params' max_new_tokens is replaced by the turn budgets."""
-    spec = rules.spec
     episodes: list[list[_Live]] = []
-    for request in requests:
-        if request.episode is None:
-            raise ValueError(f"group {request.group} has no episode seed: it is not an environment's")
-        group = []
-        for j in range(request.group_size):
-            env = rules.make_env()
-            env.reset(request.episode)
-            group.append(_Live(env, request, request.completion + j, Completion([], [], "length", [], 0.0)))
-        episodes.append(group)
+    try:
+        for request in requests:
+            if request.episode is None:
+                raise ValueError(f"group {request.group} has no episode seed: it is not an environment's")
+            group: list[_Live] = []
+            episodes.append(group)
+            for j in range(request.group_size):
+                env = rules.make_env()
+                group.append(_Live(env, request, request.completion + j, Completion([], [], "length", [], 0.0)))
+                env.reset(request.episode)
+        _play(generate, requests, params, rules, episodes)
+    finally:
+        for e in (e for group in episodes for e in group):
+            close_env(e.env)
+    return [[e.record for e in group] for group in episodes]
+
+
+def _play(
+    generate: Generate,
+    requests: Sequence[GenerationRequest],
+    params: SamplingParams,
+    rules: EpisodeRules,
+    episodes: list[list[_Live]],
+) -> None:
+    """Play the reset episodes turn by turn until each is done (see play_episodes)."""
+    spec = rules.spec
     first = dataclasses.replace(params, max_new_tokens=min(spec.turn_tokens, spec.max_tokens))
     for group, completions in zip(episodes, generate(requests, first), strict=True):
         for e, turn in zip(group, completions, strict=True):
@@ -108,7 +124,6 @@ def play_episodes(
             turns = generate(turn_requests, dataclasses.replace(params, max_new_tokens=budget))
             for e, (turn,) in zip(batch, turns, strict=True):
                 _after_turn(e, turn.tokens, turn.logprobs, rules)
-    return [[e.record for e in group] for group in episodes]
 
 
 def _after_turn(e: _Live, tokens: list[int], logprobs: list[float], rules: EpisodeRules) -> None:
@@ -153,15 +168,28 @@ class Replayed:
 def replay_episode(episode: Completion, seed: int, rules: EpisodeRules) -> Replayed:
     """Replay a claimed episode on a fresh environment; raise ReplayError at the first token, observation,
     ending or reward the environment does not reproduce (the rules are in the module docstring)."""
-    spec, chat = rules.spec, rules.chat
-    spans, tokens = episode.spans, episode.tokens
+    spec, spans, tokens = rules.spec, episode.spans, episode.tokens
     if not spans or len(spans) % 2 == 0 or sum(spans) != len(tokens) or min(spans) < 1:
         raise ReplayError("an episode's spans must be [model, observation, ..., model] lengths summing to its tokens")
     if len(spans) // 2 + 1 > spec.max_turns:
         raise ReplayError(f"an episode has {len(spans) // 2 + 1} model turns; the run allows {spec.max_turns}")
     env = rules.make_env()
-    env.reset(seed)
-    reward, held, sampled = 0.0, 0, 0
+    try:
+        env.reset(seed)
+        reward = _replay_turns(env, episode, rules)
+    finally:
+        close_env(env)
+    if episode.reward is None or episode.reward != reward:
+        raise ReplayError(f"the episode claims reward {episode.reward}, the environment gives {reward}")
+    sampled = sampled_count(len(tokens), spans)
+    return Replayed(reward, len(spans) // 2 + 1, sampled, len(tokens) - sampled)
+
+
+def _replay_turns(env: object, episode: Completion, rules: EpisodeRules) -> float:
+    """Step `env` through the episode's model turns, checking each against the rules; the return."""
+    spec, chat = rules.spec, rules.chat
+    spans, tokens = episode.spans, episode.tokens
+    reward, held = 0.0, 0
     for k in range(0, len(spans), 2):
         turn = tokens[held : held + spans[k]]
         budget = min(spec.turn_tokens, spec.max_tokens - held)
@@ -170,7 +198,6 @@ def replay_episode(episode: Completion, seed: int, rules: EpisodeRules) -> Repla
         if len(turn) < budget and turn[-1] not in chat.stop_ids:
             raise ReplayError(f"turn {k // 2} ends before its budget without a stop token")
         held += len(turn)
-        sampled += len(turn)
         step = env.step(chat.decode(turn))
         reward += step_reward(step.reward)
         last = k == len(spans) - 1
@@ -191,6 +218,4 @@ def replay_episode(episode: Completion, seed: int, rules: EpisodeRules) -> Repla
         if tokens[held : held + spans[k + 1]] != observation:
             raise ReplayError(f"the observation after turn {k // 2} is not the environment's")
         held += spans[k + 1]
-    if episode.reward is None or episode.reward != reward:
-        raise ReplayError(f"the episode claims reward {episode.reward}, the environment gives {reward}")
-    return Replayed(reward, len(spans) // 2 + 1, sampled, len(tokens) - sampled)
+    return reward

@@ -10,7 +10,9 @@ import pytest
 from tests.conftest import ROOT, run_cli
 
 
-@pytest.mark.parametrize("env", ["sokoban", "calculator", "kuhn-poker", "examples.guess_env:GuessEnv"])
+@pytest.mark.parametrize(
+    "env", ["sokoban", "calculator", "kuhn-poker", "examples.guess_env:GuessEnv", "verifiers:tests.vf_guess"]
+)
 def test_every_environment_trains_through_a_worker(swarm, env):
     learner = swarm.learner("--env", env, "--steps", "2", "--max-episode-tokens", "200", "--verify-first", "100")
     worker = swarm.worker("w1", *(["--allow-env", env] if ":" in env else []))

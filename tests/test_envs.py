@@ -1,8 +1,11 @@
 """Multi-turn environments: the built-in games and tool, plugins, playing and replaying episodes, and the
 trainer's zero gradient on observation tokens."""
 
+import asyncio
 import dataclasses
 import json
+import signal
+import sys
 from collections import deque
 
 import pytest
@@ -249,7 +252,10 @@ def test_observation_tokens_get_exactly_zero_gradient(tiny):
         ("tests.bad_envs:Broken", {}, "failed to start an episode: RuntimeError: no board today"),
         ("examples.guess_env:GuessEnv", {"low": 3}, "has no argument 'low'"),
         ("sokoban", {"size": 40}, "size must be between 5 and 10"),
-        ("verifiers:wordle", {}, "not built yet"),
+        ("verifiers:no_such_env", {}, "Could not import 'no_such_env'"),
+        ("verifiers:tests.vf_guess", {"colour": 1}, "unexpected keyword argument 'colour'"),
+        ("verifiers:tests.vf_guess", {"variant": "tools"}, "tool-calling environments are not supported"),
+        ("verifiers:tests.vf_guess", {"variant": "group"}, "group-level reward functions"),
     ],
 )
 def test_bad_environment_specs_say_what_to_change(name, args, message):
@@ -268,7 +274,64 @@ def test_a_plugin_environment_plays(tiny):
     assert replay_episode(episode, 3, rules).turns == secret.secret
 
 
-@pytest.mark.parametrize("env", ["sokoban", "calculator", "kuhn-poker", "examples.guess_env:GuessEnv"])
+def test_a_verifiers_environment_plays_and_replays(tiny):
+    """tests/vf_guess.py, a verifiers MultiTurnEnv: its env_response writes the observations, its rubric the
+    return; the learner's replay reruns the verifiers rollout and catches a changed observation or return."""
+    rules = rules_for(tiny, "verifiers:tests.vf_guess", {"high": 8})
+    assert make_env("verifiers:tests.vf_guess", {"high": 8})().reset(5).startswith("I picked a whole number")
+    request = GenerationRequest(tiny.render_prompt("guess"), 1, 0, episode=5)  # row 5: the number is 6
+    [[episode]] = play_episodes(scripted(rules.chat, ["4", "7", "6"]), [request], SamplingParams(), rules)
+    assert episode.finish_reason == "stop" and len(episode.spans) == 5 and episode.reward == pytest.approx(0.8)
+    first, second = (rules.chat.decode(episode.tokens[sum(episode.spans[:k]) :][: episode.spans[k]]) for k in (1, 3))
+    assert "Higher." in first and "Lower." in second
+    assert replay_episode(episode, 5, rules).turns == 3
+    changed = dataclasses.replace(episode, tokens=[*episode.tokens])
+    changed.tokens[episode.spans[0] + 1] += 1
+    with pytest.raises(ReplayError, match="observation after turn 0"):
+        replay_episode(changed, 5, rules)
+    with pytest.raises(ReplayError, match="claims reward 1.0"):
+        replay_episode(dataclasses.replace(episode, reward=1.0), 5, rules)
+    # echo-rl's budget ends the episode before the environment does: unscored (0), and no rollout is left open
+    short = rules_for(tiny, "verifiers:tests.vf_guess", {"high": 8}, max_turns=2)
+    [[cut]] = play_episodes(scripted(short.chat, ["1", "2"]), [request], SamplingParams(), short)
+    assert cut.finish_reason == "length" and cut.reward == 0.0 and replay_episode(cut, 5, short).turns == 2
+    from envs.verifiers_env import _event_loop
+
+    assert not asyncio.all_tasks(_event_loop())
+
+
+def test_loading_a_verifiers_environment_keeps_the_process_signal_handlers(monkeypatch):
+    """A verifiers Environment sets SIGINT/SIGTERM handlers that exit at once; a worker's SIGTERM must still
+    finish its lease, so the adapter puts the process's handlers back."""
+    from envs import verifiers_env
+
+    monkeypatch.setattr(verifiers_env, "_loaded_envs", {})  # load afresh
+
+    def mine(sig, frame):
+        return None
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        make_env("verifiers:tests.vf_guess", {"high": 3})
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_verifiers_missing_or_of_another_version_is_a_one_line_error(monkeypatch):
+    import verifiers
+
+    monkeypatch.setattr(verifiers, "__version__", "0.4.0")
+    with pytest.raises(EnvError, match=r"echo-rl runs verifiers>=0.1.14,<0.2, found 0.4.0"):
+        make_env("verifiers:tests.vf_guess")
+    monkeypatch.setitem(sys.modules, "verifiers", None)  # as if it were not installed
+    with pytest.raises(EnvError, match=r"needs the verifiers package: pip install 'echo-rl\[verifiers\]'"):
+        make_env("verifiers:tests.vf_guess")
+
+
+@pytest.mark.parametrize(
+    "env", ["sokoban", "calculator", "kuhn-poker", "examples.guess_env:GuessEnv", "verifiers:tests.vf_guess"]
+)
 def test_every_environment_trains_colocated(tmp_path, env):
     run = tmp_path / "R"
     args = ["--env", env, "--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "16"]

@@ -11,6 +11,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from envs import first_message
 from envs.episode import EpisodeRules
 from learner.tasks import Problem, Task
 
@@ -27,7 +28,7 @@ class EnvironmentTask:
 
     def sample(self, rng: random.Random) -> Problem:
         seed = rng.getrandbits(63)
-        return Problem(self.episodes.make_env().reset(seed), seed)
+        return Problem(first_message(self.episodes.make_env, seed), seed)
 
     def reward(self, completion: str, answer: Any) -> float:
         raise TypeError("an environment's reward comes from replaying its episodes (envs.episode.replay_episode)")
