@@ -349,6 +349,7 @@ def test_every_environment_trains_colocated(tmp_path, env):
     [
         (["--env", "no_such_module:Env"], "cannot import 'no_such_module'"),
         (["--env", "examples.guess_env:Missing"], "has no 'Missing'"),
+        (["--env", "verifiers:no_such_env"], "Could not import 'no_such_env'"),
         (["--env", "calculator", "--env-args", "digits=40"], "digits must be between 1 and 9"),
         (["--env-args", "digits=4"], "env.env_args: needs --env"),
         (["--env", "sokoban", "--eval-every", "2"], "single-turn tasks only"),
