@@ -4,7 +4,7 @@ An episode is recorded as one completion after its first prompt (p2p.messages.Co
 the model's turns and the environment's observations in order, `spans` their lengths [model, observation,
 ..., model], `logprobs` the behaviour logprob of every sampled token (0.0 for observation tokens, which are
 never trained on), `reward` the return (the sum of the steps' rewards) and `finish_reason` "stop" when the
-environment ended the episode, "length" when a budget did.
+environment ended the episode, "length" when a budget did, "error" when its step raised.
 
 Rules both sides follow, so the learner's replay reaches the same episode from the same turns:
 - turn k (0-based) of episode j of group g samples at most min(turn_tokens, max_tokens - held) tokens,
@@ -12,7 +12,10 @@ Rules both sides follow, so the learner's replay reaches the same episode from t
 - a turn that is not cut by its budget ends with a stop token, and only there;
 - after each turn the environment steps on its text; the episode ends when the step says done, at the
   max_turns-th turn, or when the next observation would not fit in max_tokens; otherwise the observation's
-  tokens (envs.chat.ChatFormat.observation_ids) follow and the next turn starts.
+  tokens (envs.chat.ChatFormat.observation_ids) follow and the next turn starts;
+- a step that raises (the environment's bug, not the worker's) ends the episode there with finish "error";
+  the replay must raise at the same turn, and the learner trains on nothing of that group
+  (learner.orchestrate.rollouts.score_groups).
 
 The policy version is fixed for a whole episode: a worker changes weights only between leases, so the
 staleness of every turn is that of the version that started the episode.
@@ -21,6 +24,7 @@ staleness of every turn is that of the version that started the episode.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +34,7 @@ from envs.chat import ChatFormat
 from p2p.messages import Completion, GenerationRequest, SamplingParams, sampled_count
 
 Generate = Callable[[Sequence[GenerationRequest], SamplingParams], list[list[Completion]]]
+log = logging.getLogger(__name__)
 
 
 class ReplayError(ValueError):
@@ -85,7 +90,13 @@ def play_episodes(
             for j in range(request.group_size):
                 env = rules.make_env()
                 group.append(_Live(env, request, request.completion + j, Completion([], [], "length", [], 0.0)))
-                env.reset(request.episode)
+                try:
+                    env.reset(request.episode)
+                except Exception as exc:  # noqa: BLE001 - the learner started this seed: not deterministic
+                    raise EnvError(
+                        f"environment {rules.spec.name} failed to start episode {request.episode} ({failure(exc)}), "
+                        "which started on the learner: is it deterministic?"
+                    ) from None
         _play(generate, requests, params, rules, episodes)
     finally:
         for e in (e for group in episodes for e in group):
@@ -133,8 +144,14 @@ def _after_turn(e: _Live, tokens: list[int], logprobs: list[float], rules: Episo
     record.logprobs += logprobs
     record.spans.append(len(tokens))
     e.turns += 1
-    step = e.env.step(chat.decode(tokens))
-    e.reward += step_reward(step.reward)
+    try:
+        step = e.env.step(chat.decode(tokens))
+        e.reward += step_reward(step.reward)
+    except Exception as exc:  # noqa: BLE001 - the environment's failure ends its episode, as the replay will find
+        log.warning("environment %s raised at turn %d of episode %d: %s; the episode ends there",
+                    spec.name, e.turns - 1, e.request.episode, failure(exc))  # fmt: skip
+        e.done, record.finish_reason, record.reward = True, "error", e.reward
+        return
     record.reward = e.reward
     if step.done:
         e.done, record.finish_reason = True, "stop"
@@ -146,6 +163,11 @@ def _after_turn(e: _Live, tokens: list[int], logprobs: list[float], rules: Episo
     record.tokens += observation
     record.logprobs += [0.0] * len(observation)
     record.spans.append(len(observation))
+
+
+def failure(exc: BaseException) -> str:
+    """An environment's exception in one line."""
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
 
 
 def step_reward(reward: object) -> float:
@@ -163,6 +185,7 @@ class Replayed:
     turns: int
     model_tokens: int
     observation_tokens: int
+    error: str | None = None  # the environment's exception, when its step raised (finish "error")
 
 
 def replay_episode(episode: Completion, seed: int, rules: EpisodeRules) -> Replayed:
@@ -176,17 +199,18 @@ def replay_episode(episode: Completion, seed: int, rules: EpisodeRules) -> Repla
     env = rules.make_env()
     try:
         env.reset(seed)
-        reward = _replay_turns(env, episode, rules)
+        reward, error = _replay_turns(env, episode, rules)
     finally:
         close_env(env)
     if episode.reward is None or episode.reward != reward:
         raise ReplayError(f"the episode claims reward {episode.reward}, the environment gives {reward}")
     sampled = sampled_count(len(tokens), spans)
-    return Replayed(reward, len(spans) // 2 + 1, sampled, len(tokens) - sampled)
+    return Replayed(reward, len(spans) // 2 + 1, sampled, len(tokens) - sampled, error)
 
 
-def _replay_turns(env: object, episode: Completion, rules: EpisodeRules) -> float:
-    """Step `env` through the episode's model turns, checking each against the rules; the return."""
+def _replay_turns(env: object, episode: Completion, rules: EpisodeRules) -> tuple[float, str | None]:
+    """Step `env` through the episode's model turns, checking each against the rules; the return, and the
+    environment's exception if a step raised."""
     spec, chat = rules.spec, rules.chat
     spans, tokens = episode.spans, episode.tokens
     reward, held = 0.0, 0
@@ -198,9 +222,17 @@ def _replay_turns(env: object, episode: Completion, rules: EpisodeRules) -> floa
         if len(turn) < budget and turn[-1] not in chat.stop_ids:
             raise ReplayError(f"turn {k // 2} ends before its budget without a stop token")
         held += len(turn)
-        step = env.step(chat.decode(turn))
-        reward += step_reward(step.reward)
         last = k == len(spans) - 1
+        try:
+            step = env.step(chat.decode(turn))
+            reward += step_reward(step.reward)
+        except Exception as exc:  # noqa: BLE001 - an environment's failure is part of the episode it ends
+            if last and episode.finish_reason == "error":
+                return reward, failure(exc)
+            claim = "the record goes on" if not last else f"the episode's finish is {episode.finish_reason!r}"
+            raise ReplayError(f"the environment raised at turn {k // 2} ({failure(exc)}); {claim}") from None
+        if last and episode.finish_reason == "error":
+            raise ReplayError(f"the episode claims the environment raised at turn {k // 2}; it did not")
         if step.done:
             if not last:
                 raise ReplayError(f"the environment ended the episode after turn {k // 2}, the record goes on")
@@ -218,4 +250,4 @@ def _replay_turns(env: object, episode: Completion, rules: EpisodeRules) -> floa
         if tokens[held : held + spans[k + 1]] != observation:
             raise ReplayError(f"the observation after turn {k // 2} is not the environment's")
         held += spans[k + 1]
-    return reward
+    return reward, None

@@ -96,7 +96,8 @@ class Completion:
 
     tokens: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" (an end-of-sequence token was sampled, or the environment ended it) or "length"
+    finish_reason: str  # "stop" (an end-of-sequence token was sampled, or the environment ended it), "length",
+    # or, for an episode only, "error" (the environment's step raised: envs.episode)
     spans: list[int] = field(default_factory=list)  # an episode's turns (see sampled_positions); [] one turn
     reward: float | None = None  # an episode's return, as the worker's environment computed it
 
@@ -289,8 +290,8 @@ class RolloutSubmission:
                     raise MessageError("one logprob per token is required")
                 if not all(type(x) is float and LOGPROB_FLOOR <= x <= 1e-6 for x in logprobs):
                     raise MessageError(f"logprobs must be floats in [{LOGPROB_FLOOR}, 0]")
-                if finish not in ("stop", "length"):
-                    raise MessageError("finish must be 'stop' or 'length'")
+                if finish not in ("stop", "length", "error") or (finish == "error" and not max_turns):
+                    raise MessageError("finish must be 'stop' or 'length' (or 'error', for an episode)")
                 spans, reward = c.get("spans", []), c.get("reward")
                 if max_turns:
                     spans = _ints(spans, "spans", 2 * max_turns - 1)

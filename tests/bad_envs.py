@@ -1,4 +1,5 @@
-"""Environments that make_env must refuse, each with one line (tests/test_envs.py)."""
+"""Environments with bugs: ones make_env must refuse, each with one line, and one that fails now and then
+(tests/test_envs.py, tests/test_env_swarm.py)."""
 
 from envs import Step
 
@@ -11,6 +12,23 @@ class Broken:
 
     def step(self, action: str) -> Step:
         return Step(done=True)
+
+
+class Flaky:
+    """Works, except that a quarter of its seeds fail to start and odd seeds raise at the second turn; a turn
+    with a digit in it earns 1."""
+
+    def reset(self, seed: int) -> str:
+        if seed % 4 == 1:
+            raise KeyError(f"no level {seed}")
+        self.seed, self.turn = seed, 0
+        return "Say a number, then another."
+
+    def step(self, action: str) -> Step:
+        self.turn += 1
+        if self.turn == 2 and self.seed % 2:
+            raise ZeroDivisionError("division by zero in turn 2")
+        return Step("Another.", reward=float(any(c.isdigit() for c in action)), done=self.turn == 3)
 
 
 not_a_class = 3

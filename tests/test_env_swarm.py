@@ -11,7 +11,15 @@ from tests.conftest import ROOT, run_cli
 
 
 @pytest.mark.parametrize(
-    "env", ["sokoban", "calculator", "kuhn-poker", "examples.guess_env:GuessEnv", "verifiers:tests.vf_guess"]
+    "env",
+    [
+        "sokoban",
+        "calculator",
+        "kuhn-poker",
+        "examples.guess_env:GuessEnv",
+        "verifiers:tests.vf_guess",
+        "tests.bad_envs:Flaky",
+    ],
 )
 def test_every_environment_trains_through_a_worker(swarm, env):
     learner = swarm.learner("--env", env, "--steps", "2", "--max-episode-tokens", "200", "--verify-first", "100")

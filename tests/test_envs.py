@@ -4,6 +4,7 @@ trainer's zero gradient on observation tokens."""
 import asyncio
 import dataclasses
 import json
+import random
 import signal
 import sys
 from collections import deque
@@ -17,12 +18,15 @@ from envs.episode import EpisodeRules, ReplayError, play_episodes, replay_episod
 from envs.kuhn_poker import KuhnPokerEnv
 from envs.sokoban import MOVES, SokobanEnv, move, parse
 from learner.config import GRPOConfig
-from learner.orchestrate.rollouts import Rollout
+from learner.orchestrate.rollouts import Rollout, score_groups
 from learner.orchestrate.verify import RolloutVerifier
+from learner.tasks import Problem
+from learner.tasks.environment import EnvironmentTask
 from learner.train.models import chat_format, model_spec, tiny_policy
 from learner.train.trainer import GRPOTrainer, completion_logprobs
 from learner.train.wire_weights import wire_tensors
 from p2p.messages import Completion, GenerationRequest, SamplingParams, sampled_positions
+from tests.bad_envs import Broken
 from tests.conftest import run_cli
 
 
@@ -38,11 +42,15 @@ def scripted(chat, turns: list[str]):
     def generate(requests, params):
         out = []
         for r in requests:
-            k = done.get((r.group, r.completion), 0)
-            done[(r.group, r.completion)] = k + 1
-            tokens = chat.tokenizer.encode(turns[k], add_special_tokens=False).ids + [chat.stop_ids[0]]
-            tokens = tokens[: params.max_new_tokens]
-            out.append([Completion(tokens, [-1.0] * len(tokens), "stop" if tokens[-1] in chat.stop_ids else "length")])
+            group = []
+            for j in range(r.group_size):
+                k = done.get((r.group, r.completion + j), 0)
+                done[(r.group, r.completion + j)] = k + 1
+                tokens = chat.tokenizer.encode(turns[k], add_special_tokens=False).ids + [chat.stop_ids[0]]
+                tokens = tokens[: params.max_new_tokens]
+                finish = "stop" if tokens[-1] in chat.stop_ids else "length"
+                group.append(Completion(tokens, [-1.0] * len(tokens), finish))
+            out.append(group)
         return out
 
     return generate
@@ -263,6 +271,36 @@ def test_bad_environment_specs_say_what_to_change(name, args, message):
         make_env(name, args)
 
 
+def test_an_environment_that_raises_ends_its_episode_and_its_group_trains_on_nothing(tiny, caplog):
+    """tests/bad_envs.py Flaky raises at the second turn of odd seeds: the episode ends there (finish "error"),
+    the replay must raise at the same turn, and scoring zeroes the group; seeds whose reset raises are skipped."""
+    rules = rules_for(tiny, "tests.bad_envs:Flaky")
+    play = [GenerationRequest(tiny.render_prompt("go"), 2, 0, episode=3), GenerationRequest([1, 2], 2, 1, episode=2)]
+    failed, fine = play_episodes(scripted(rules.chat, ["1", "2", "3"]), play, SamplingParams(), rules)
+    assert [e.finish_reason for e in failed] == ["error"] * 2 and len(failed[0].spans) == 3 and failed[0].reward == 1
+    assert [e.finish_reason for e in fine] == ["stop"] * 2 and fine[0].reward == 3.0
+    assert replay_episode(failed[0], 3, rules).error == "ZeroDivisionError: division by zero in turn 2"
+    assert replay_episode(fine[0], 2, rules).error is None
+    with pytest.raises(ReplayError, match="raised at turn 1 .*finish is 'length'"):
+        replay_episode(dataclasses.replace(failed[0], finish_reason="length"), 3, rules)
+    with pytest.raises(ReplayError, match="claims the environment raised at turn 2"):
+        replay_episode(dataclasses.replace(fine[0], finish_reason="error"), 2, rules)
+    task = EnvironmentTask(rules)
+    problems = [Problem("go", 3), Problem("go", 2)]
+    scored = score_groups(task, tiny, problems, [r.prompt_ids for r in play], [failed, fine], version=0)
+    assert [r.reward for r in scored[0]] == [0.0, 0.0] and [r.advantage for r in scored[0]] == [0.0, 0.0]
+    assert [r.reward for r in scored[1]] == [3.0, 3.0]
+    assert "seed 3 (ZeroDivisionError: division by zero in turn 2): its group trains on nothing" in caplog.text
+    # a seed whose reset raises: the learner skips it; a worker told to play it drops the lease with one line
+    seeds = [task.sample(random.Random(k)).answer for k in range(12)]
+    assert all(s % 4 != 1 for s in seeds) and "failed to start episode" in caplog.text
+    with pytest.raises(EnvError, match="failed to start episode 5 .*KeyError.*is it deterministic"):
+        play_episodes(scripted(rules.chat, ["1"]), [GenerationRequest([1], 1, 0, episode=5)], SamplingParams(), rules)
+    never = EnvironmentTask(dataclasses.replace(rules, make_env=Broken))
+    with pytest.raises(EnvError, match="failed to start 20 episodes in a row, the last: RuntimeError: no board today"):
+        never.sample(random.Random(0))
+
+
 def test_a_plugin_environment_plays(tiny):
     rules = rules_for(tiny, "examples.guess_env:GuessEnv", {"high": 4})
     secret = make_env("examples.guess_env:GuessEnv", {"high": 4})()
@@ -330,7 +368,15 @@ def test_verifiers_missing_or_of_another_version_is_a_one_line_error(monkeypatch
 
 
 @pytest.mark.parametrize(
-    "env", ["sokoban", "calculator", "kuhn-poker", "examples.guess_env:GuessEnv", "verifiers:tests.vf_guess"]
+    "env",
+    [
+        "sokoban",
+        "calculator",
+        "kuhn-poker",
+        "examples.guess_env:GuessEnv",
+        "verifiers:tests.vf_guess",
+        "tests.bad_envs:Flaky",
+    ],
 )
 def test_every_environment_trains_colocated(tmp_path, env):
     run = tmp_path / "R"

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from envs import EnvSpec
+from envs import EnvError, EnvSpec
 from envs.chat import ChatFormat
 from envs.episode import EpisodeRules, play_episodes
 from p2p.auth import authenticate, read_secret
@@ -228,7 +228,11 @@ class WorkerDaemon:
         if any(r.episode is not None for r in requests):  # an environment's groups: episodes, turn by turn
             if self.episodes is None:
                 raise MessageError("a lease of episodes from a run that named no environment")
-            groups = play_episodes(self.engine.generate, requests, lease.params, self.episodes)
+            try:
+                groups = play_episodes(self.engine.generate, requests, lease.params, self.episodes)
+            except EnvError as exc:  # its lease goes back to the learner when it expires
+                log.warning("lease %d dropped: %s", lease.id, exc)
+                return
         else:
             groups = generate_lease(self.engine, requests, lease.params)  # greedy groups: held-out evaluation
         elapsed = time.perf_counter() - tick

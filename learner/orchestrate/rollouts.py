@@ -10,6 +10,7 @@ Representations from the wire to the loss (docs/design.md, "One rollout from lea
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,8 @@ from learner.tasks.environment import episode_rules
 from learner.train.grpo import clamp_reward, group_advantages
 from learner.train.models import Policy
 from p2p.messages import Completion, sampled_count
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,12 +77,19 @@ def score_groups(
 ) -> list[list[Rollout]]:
     """Score every completion with the task's reward and attach group-normalised advantages. An environment's
     episodes are replayed from their seed (problem.answer) instead: the return is the environment's, and an
-    episode it does not reproduce raises envs.episode.ReplayError."""
+    episode it does not reproduce raises envs.episode.ReplayError. A group in which the environment raised
+    trains on nothing: its returns all count 0, so its advantages are 0 (the exception is logged)."""
     rules = episode_rules(task)
     scored = []
     for problem, prompt_ids, group in zip(problems, prompts, groups, strict=True):
         if rules is not None:
-            returns = [replay_episode(c, problem.answer, rules).reward for c in group]
+            replayed = [replay_episode(c, problem.answer, rules) for c in group]
+            returns = [r.reward for r in replayed]
+            error = next((r.error for r in replayed if r.error), None)
+            if error:
+                log.warning("environment %s raised in an episode of seed %d (%s): its group trains on nothing",
+                            rules.spec.name, problem.answer, error)  # fmt: skip
+                returns = [0.0] * len(group)
         else:
             returns = [task.reward(policy.decode(c.tokens), problem.answer) for c in group]
         # any reward function's value, made safe to normalise: non-finite scores 0, clamped to +-REWARD_LIMIT

@@ -7,13 +7,17 @@ and scored by replaying each episode (learner.orchestrate.rollouts.score_groups)
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from typing import Any
 
-from envs import first_message
-from envs.episode import EpisodeRules
+from envs import EnvError, first_message
+from envs.episode import EpisodeRules, failure
 from learner.tasks import Problem, Task
+
+START_TRIES = 20  # seeds in a row whose reset() may raise before sampling gives up
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,8 +31,16 @@ class EnvironmentTask:
         return self.episodes.spec.name
 
     def sample(self, rng: random.Random) -> Problem:
-        seed = rng.getrandbits(63)
-        return Problem(first_message(self.episodes.make_env, seed), seed)
+        """A seed whose episode starts: one whose reset() raises (the environment's bug) is logged and skipped,
+        up to START_TRIES in a row."""
+        for _ in range(START_TRIES):
+            seed = rng.getrandbits(63)
+            try:
+                return Problem(first_message(self.episodes.make_env, seed), seed)
+            except Exception as exc:  # noqa: BLE001 - any failure of the environment's own code
+                error = failure(exc)
+                log.warning("environment %s failed to start episode %d (%s); drawing another", self.name, seed, error)
+        raise EnvError(f"environment {self.name!r} failed to start {START_TRIES} episodes in a row, the last: {error}")
 
     def reward(self, completion: str, answer: Any) -> float:
         raise TypeError("an environment's reward comes from replaying its episodes (envs.episode.replay_episode)")
