@@ -25,7 +25,14 @@ from learner.tasks.environment import EnvironmentTask
 from learner.train.models import chat_format, model_spec, tiny_policy
 from learner.train.trainer import GRPOTrainer, completion_logprobs
 from learner.train.wire_weights import wire_tensors
-from p2p.messages import Completion, GenerationRequest, SamplingParams, sampled_positions
+from p2p.messages import (
+    Completion,
+    GenerationRequest,
+    MessageError,
+    RolloutSubmission,
+    SamplingParams,
+    sampled_positions,
+)
 from tests.bad_envs import Broken
 from tests.conftest import run_cli
 
@@ -299,6 +306,17 @@ def test_an_environment_that_raises_ends_its_episode_and_its_group_trains_on_not
     never = EnvironmentTask(dataclasses.replace(rules, make_env=Broken))
     with pytest.raises(EnvError, match="failed to start 20 episodes in a row, the last: RuntimeError: no board today"):
         never.sample(random.Random(0))
+
+
+def test_an_error_finish_is_an_episodes_only():
+    """On the wire, finish "error" is allowed for an environment's episodes and refused for completions."""
+    c = {"tokens": [5, 6, 7], "logprobs": [-0.5, 0.0, -1.0], "finish": "error", "spans": [1, 1, 1], "reward": 0.0}
+    msg = {"lease": 1, "version": 0, "groups": [{"group": 3, "completions": [c]}]}
+    parsed = RolloutSubmission.from_wire(msg, 1, 64, 100, max_turns=4)
+    assert parsed.groups[0].completions[0].finish_reason == "error"
+    single = {**c, "spans": [], "reward": None}
+    with pytest.raises(MessageError, match="or 'error', for an episode"):
+        RolloutSubmission.from_wire({**msg, "groups": [{"group": 3, "completions": [single]}]}, 1, 64, 100)
 
 
 def test_a_plugin_environment_plays(tiny):
