@@ -79,7 +79,15 @@ def play_episodes(
     per request, in order.
     The first turns go to the engine as the requests themselves (a group's episodes share its prompt, so an
     engine prefills it once); every later turn of every live episode in one call per distinct token budget.
-    params' max_new_tokens is replaced by the turn budgets."""
+    params' max_new_tokens is replaced by the turn budgets. Greedy requests (held-out evaluation) play at
+    temperature 0, apart from the others, as worker.engines.generate_lease does."""
+    greedy = [r.greedy for r in requests]
+    if any(greedy) and not all(greedy):
+        done = iter(play_episodes(generate, [r for r in requests if r.greedy], params, rules))
+        rest = iter(play_episodes(generate, [r for r in requests if not r.greedy], params, rules))
+        return [next(done) if r.greedy else next(rest) for r in requests]
+    if any(greedy):
+        params = dataclasses.replace(params, temperature=0.0)
     episodes: list[list[_Live]] = []
     try:
         for request in requests:

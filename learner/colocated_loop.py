@@ -41,10 +41,12 @@ def train_colocated(
     """Run (or resume) a co-located GRPO run; yields each step's metrics after it is written. `task`: a task
     object instead of cfg.task (the Python API's)."""
     every = cfg.eval.eval_every
-    held_out = eval_task(cfg, task) if every else None  # a bad evaluation task fails before the model loads
+    held_out = eval_task(cfg, task) if every and not cfg.env.env else None  # a bad one fails before the model loads
     run = open_run(cfg, resume, task=task)
     policy, task, trainer = run.policy, run.task, run.trainer
     episodes = episode_rules(task)  # an environment's: its groups are played over several turns
+    if every and episodes is not None:  # an environment's held-out seeds, drawn from the run's task
+        held_out = eval_task(cfg, task)
     spec = model_spec(policy)
     engine.load_policy(spec, wire_tensors(policy.model))
     evaluator = Evaluator.for_run(cfg, policy, held_out) if held_out else None

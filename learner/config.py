@@ -336,9 +336,9 @@ class LearnerConfig:
         for section in (self.run, self.model, self.task, self.env, self.grpo, self.sampler, self.swarm, self.eval):
             section.validate()
         require(
-            not (self.env.env and self.eval.eval_every),
-            "eval.eval_every",
-            "held-out evaluation runs on single-turn tasks only: leave it 0 with --env",
+            not (self.env.env and self.eval.eval_task),
+            "eval.eval_task",
+            "an environment is evaluated on its own held-out seeds: leave --eval-task out with --env",
         )
         require(
             self.sampler.max_batch >= self.grpo.group_size,

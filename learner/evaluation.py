@@ -10,6 +10,10 @@ On n fixed held-out prompts (learner.tasks.split), one greedy completion and k s
 The prompts and the samples' random stream depend only on the run's seed, so every evaluation of a run
 (and `echo-rl eval` on its checkpoints) sees the same prompts and draws: differences between versions
 are the policy's, not the luck of the draw.
+
+An environment's held-out problems are episode seeds that training never plays (learner.tasks.split); each
+is played greedily once and k times sampled (envs.episode.play_episodes), r is the episode's return as the
+learner's replay computes it, and `turns_mean` adds the sampled episodes' model turns.
 """
 
 from __future__ import annotations
@@ -25,9 +29,13 @@ from typing import Protocol
 
 import numpy as np
 
+from envs import make_env
+from envs.episode import EpisodeRules, play_episodes, replay_episode
 from learner.config import LearnerConfig
 from learner.orchestrate.rollouts import step_seed
+from learner.run import environment_task
 from learner.tasks import Problem, Task, make_task
+from learner.tasks.environment import episode_rules
 from learner.tasks.split import has_split, split_task
 from learner.train.checkpoint import load_weights
 from learner.train.grpo import clamp_reward
@@ -52,7 +60,7 @@ class Generator(Protocol):
 
 def eval_task(cfg: LearnerConfig, training_task: Task | None = None) -> Task:
     """The task evaluation draws from: --eval-task's held-out split, else the training task's (`training_task`
-    if given, else cfg.task)."""
+    if given, else cfg.task; an environment's task needs the policy: learner.run.environment_task)."""
     if cfg.eval.eval_task:
         return split_task(make_task(cfg.eval.eval_task, cfg.eval.eval_task_args), "held_out")
     task = training_task or make_task(cfg.task.task, cfg.task.task_args)
@@ -67,10 +75,11 @@ def eval_task(cfg: LearnerConfig, training_task: Task | None = None) -> Task:
 def held_out_problems(task: Task, n: int, seed: int) -> list[Problem]:
     """Up to `n` distinct problems of `task`, a function of `seed` alone (fewer if the task has fewer)."""
     rng = random.Random(step_seed(seed, PROMPT_STREAM))
-    problems: dict[str, Problem] = {}
+    by_seed = episode_rules(task) is not None  # an environment's episodes differ by seed, not first message
+    problems: dict[object, Problem] = {}
     for _ in range(n * MAX_DRAWS_PER_PROMPT):
         problem = task.sample(rng)
-        problems.setdefault(problem.prompt, problem)
+        problems.setdefault(problem.answer if by_seed else problem.prompt, problem)
         if len(problems) == n:
             break
     if len(problems) < n:
@@ -108,19 +117,28 @@ class Evaluator:
         """The samples' parameters; their seed is the run's evaluation stream, the same at every evaluation."""
         return SamplingParams(self.temperature, self.top_p, self.max_new_tokens, step_seed(self.seed, SAMPLE_STREAM))
 
+    @property
+    def episodes(self) -> EpisodeRules | None:
+        """An environment's rules (its problems are episodes to play), None for a task."""
+        return episode_rules(self.task)
+
     def requests(self) -> list[GenerationRequest]:
         """One greedy request per prompt, then one of k samples per prompt (group i: prompt i in both)."""
         prompts = [self.policy.render_prompt(p.prompt) for p in self.problems]
-        greedy = [GenerationRequest(ids, 1, i, greedy=True) for i, ids in enumerate(prompts)]
-        return greedy + [GenerationRequest(ids, self.samples, i) for i, ids in enumerate(prompts)]
+        seeds = [p.answer if self.episodes else None for p in self.problems]  # an environment's episodes
+        greedy = [GenerationRequest(prompts[i], 1, i, greedy=True, episode=seeds[i]) for i in range(len(prompts))]
+        return greedy + [GenerationRequest(prompts[i], self.samples, i, episode=seeds[i]) for i in range(len(prompts))]
 
     def evaluate(self, engine: Generator) -> dict:
         """Greedy accuracy, pass@k and mean sampled reward of `engine`'s policy on the held-out prompts."""
         tick = time.perf_counter()
         requests, n = self.requests(), len(self.problems)
-        greedy = engine.generate(requests[:n], dataclasses.replace(self.params, temperature=0.0))
-        sampled = engine.generate(requests[n:], self.params)
-        return {**self.score(greedy + sampled), "seconds": round(time.perf_counter() - tick, 3)}
+        if self.episodes is not None:  # greedy episodes at temperature 0, then the sampled ones
+            groups = play_episodes(engine.generate, requests, self.params, self.episodes)
+        else:
+            groups = engine.generate(requests[:n], dataclasses.replace(self.params, temperature=0.0))
+            groups += engine.generate(requests[n:], self.params)
+        return {**self.score(groups), "seconds": round(time.perf_counter() - tick, 3)}
 
     def score(self, groups: Sequence[Sequence[Completion]]) -> dict:
         """The figures of the module docstring from the completions of requests(), in their order."""
@@ -128,7 +146,7 @@ class Evaluator:
         greedy, sampled = groups[:n], groups[n:]
         greedy_rewards = [self._rewards(p, g)[0] for p, g in zip(self.problems, greedy, strict=True)]
         sample_rewards = [self._rewards(p, g) for p, g in zip(self.problems, sampled, strict=True)]
-        return {
+        figures = {
             "task": self.task.name,
             "prompts": n,
             "k": self.samples,
@@ -138,14 +156,23 @@ class Evaluator:
             "greedy_reward_mean": sum(greedy_rewards) / n,
             "greedy_len_mean": sum(len(g[0].tokens) for g in greedy) / n,
         }
+        if self.episodes is not None:  # model turns per sampled episode
+            figures["turns_mean"] = sum((len(c.spans) + 1) // 2 for g in sampled for c in g) / (n * self.samples)
+        return figures
 
     def _rewards(self, problem: Problem, group: Sequence[Completion]) -> list[float]:
+        """Each completion's reward; an episode's: its return as the replay computes it (envs.episode.ReplayError
+        for one the environment does not reproduce)."""
+        if self.episodes is not None:
+            return [clamp_reward(replay_episode(c, problem.answer, self.episodes).reward) for c in group]
         return [clamp_reward(self.task.reward(self.policy.decode(c.tokens), problem.answer)) for c in group]
 
 
 def evaluate_checkpoint(cfg: LearnerConfig, checkpoint: Path, engine: Generator) -> dict:
     """`echo-rl eval`: load a checkpoint's policy into `engine` as the run's sampler held it, and evaluate it."""
+    envs = make_env(cfg.env.env, cfg.env.env_args) if cfg.env.env else None  # a bad one fails before the model loads
     policy = load_run_policy(cfg.model, cfg.run.seed)
     state = load_weights(checkpoint, policy.model)
     engine.load_policy(model_spec(policy), wire_tensors(policy.model))
-    return {"step": state["step"], **Evaluator.for_run(cfg, policy).evaluate(engine)}
+    task = eval_task(cfg, environment_task(cfg, policy, envs)) if envs else None
+    return {"step": state["step"], **Evaluator.for_run(cfg, policy, task).evaluate(engine)}

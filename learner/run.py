@@ -114,8 +114,8 @@ def open_run(cfg: LearnerConfig, resume: bool, world: World | None = None, task:
     policy.model.to(world.device)
     if envs is not None:
         task = environment_task(cfg, policy, envs)
-    else:  # the held-out problems are evaluation's
-        task = split_task(task or make_task(cfg.task.task, cfg.task.task_args), "train")
+    # the held-out problems (an environment's held-out seeds) are evaluation's
+    task = split_task(task or make_task(cfg.task.task, cfg.task.task_args), "train")
     if world.size > 1 and cfg.grpo.beta > 0:
         raise ConfigError("grpo.beta > 0 (a reference model) is not supported with several ranks yet: use beta = 0")
     # the KL anchor is the initial policy, so it is copied before a checkpoint's weights are loaded

@@ -40,7 +40,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
             f"--eval-every {every} must be a multiple of --publish-every {cfg.swarm.publish_every}: "
             "workers evaluate published versions"
         )
-    if every:
+    if every and not cfg.env.env:  # (an environment's held-out seeds are drawn from the run's task)
         eval_task(cfg)  # a bad evaluation task fails before the model loads
     world = init_world(cfg.model.device)
     run = open_run(cfg, resume, world)

@@ -39,6 +39,26 @@ def test_every_environment_trains_through_a_worker(swarm, env):
     assert (swarm.run_dir / "report" / "episodes.png").stat().st_size > 1000
 
 
+def test_a_swarm_evaluates_an_environment_on_a_worker_as_echo_rl_eval_does(swarm):
+    """--eval-every with --env in a swarm: a worker plays the held-out episodes (greedy ones at temperature 0),
+    the learner replays and verifies them, and the figures equal `echo-rl eval` on the checkpoint."""
+    env = "tests.bad_envs:Flaky"
+    learner = swarm.learner(
+        "--env", env, "--steps", "2", "--max-episode-tokens", "200", "--eval-every", "2", "--eval-prompts", "4",
+        "--eval-samples", "2", "--verify-first", "1000",
+    )  # fmt: skip
+    worker = swarm.worker("w1", "--allow-env", env)
+    assert swarm.wait(learner, 300) == 0, swarm.log("learner")[-3000:]
+    worker.terminate()
+    rows = swarm.metrics()
+    assert rows[0]["eval_initial"]["version"] == 0 and rows[-1]["eval"]["version"] == 2
+    assert rows[-1]["groups_dropped_flagged"] == 0 and "flagged" not in swarm.log("learner")
+    res = run_cli("eval", str(swarm.run_dir), "--json")
+    assert res.returncode == 0, res.stderr
+    keys = ["accuracy", "pass_at_k", "reward_mean", "greedy_reward_mean", "greedy_len_mean", "turns_mean"]
+    assert {k: json.loads(res.stdout)[k] for k in keys} == {k: rows[-1]["eval"][k] for k in keys}
+
+
 def test_a_worker_refuses_a_plugin_environment_it_was_not_allowed(swarm):
     learner = swarm.learner("--env", "examples.guess_env:GuessEnv", "--steps", "1")
     worker = swarm.worker("w1")

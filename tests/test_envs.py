@@ -18,10 +18,12 @@ from envs.episode import EpisodeRules, ReplayError, play_episodes, replay_episod
 from envs.kuhn_poker import KuhnPokerEnv
 from envs.sokoban import MOVES, SokobanEnv, move, parse
 from learner.config import GRPOConfig
+from learner.evaluation import held_out_problems
 from learner.orchestrate.rollouts import Rollout, score_groups
 from learner.orchestrate.verify import RolloutVerifier
 from learner.tasks import Problem
 from learner.tasks.environment import EnvironmentTask
+from learner.tasks.split import split_task
 from learner.train.models import chat_format, model_spec, tiny_policy
 from learner.train.trainer import GRPOTrainer, completion_logprobs
 from learner.train.wire_weights import wire_tensors
@@ -408,6 +410,30 @@ def test_every_environment_trains_colocated(tmp_path, env):
         assert m["gen_tokens_per_s"] > 0 and m["groups"] >= 2
 
 
+def test_an_environment_is_evaluated_on_held_out_seeds_as_echo_rl_eval_does(tmp_path):
+    """--eval-every with --env: fixed held-out seeds (training never plays them), each played greedily once and
+    k times sampled, scored by replay; `echo-rl eval` on the checkpoint gives the same figures."""
+    run = tmp_path / "R"
+    args = ["--env", "tests.bad_envs:Flaky", "--steps", "2", "--prompts-per-step", "2", "--group-size", "4",
+            "--max-new-tokens", "16", "--eval-every", "2", "--eval-prompts", "6", "--eval-samples", "3"]  # fmt: skip
+    res = run_cli("learner", "start", "--colocated", "--model", "tiny", "--run-dir", str(run), *args)
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    initial, last = rows[0]["eval_initial"], rows[1]["eval"]
+    assert last["task"] == "tests.bad_envs:Flaky" and last["prompts"] == 6 and last["k"] == 3
+    assert 1 <= last["turns_mean"] <= 3 and initial["version"] == 0 and last["version"] == 2
+    res = run_cli("eval", str(run), "--json")
+    assert res.returncode == 0, res.stderr
+    standalone = json.loads(res.stdout)
+    keys = ["accuracy", "pass_at_k", "reward_mean", "greedy_reward_mean", "greedy_len_mean", "turns_mean"]
+    assert {k: standalone[k] for k in keys} == {k: last[k] for k in keys}
+    # the held-out seeds are the same every time and never among the seeds training plays
+    rules = rules_for(tiny_policy(0), "tests.bad_envs:Flaky")
+    held = [p.answer for p in held_out_problems(split_task(EnvironmentTask(rules), "held_out"), 6, 0)]
+    train = [split_task(EnvironmentTask(rules), "train").sample(random.Random(k)).answer for k in range(50)]
+    assert len(set(held)) == 6 and not set(held) & set(train)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -416,7 +442,7 @@ def test_every_environment_trains_colocated(tmp_path, env):
         (["--env", "verifiers:no_such_env"], "Could not import 'no_such_env'"),
         (["--env", "calculator", "--env-args", "digits=40"], "digits must be between 1 and 9"),
         (["--env-args", "digits=4"], "env.env_args: needs --env"),
-        (["--env", "sokoban", "--eval-every", "2"], "single-turn tasks only"),
+        (["--env", "sokoban", "--eval-every", "2", "--eval-task", "arithmetic"], "its own held-out seeds"),
         (["--env", "sokoban", "--max-turns", "0"], "env.max_turns: must be >= 1"),
     ],
 )

@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from envs.episode import ReplayError
 from learner.evaluation import Evaluator
 from learner.orchestrate.rollouts import Rollout
 from learner.orchestrate.verify import RolloutVerifier
@@ -101,9 +102,10 @@ class EvalBoard:
             if self.lease is not None and self.lease.worker == worker:
                 self._end_locked()
 
-    def submit(self, peer: str, msg: dict, vocab_size: int, max_tokens: int) -> tuple[dict, int]:
+    def submit(self, peer: str, msg: dict, vocab_size: int, max_tokens: int, max_turns: int = 0) -> tuple[dict, int]:
         """Take an evaluation lease's completions: (the result, groups verified). Raises BadRequest or
-        Misbehaviour like training submissions; the verifier may have flagged `peer` (the caller acts on it)."""
+        Misbehaviour like training submissions; the verifier may have flagged `peer` (the caller acts on it).
+        `max_turns` > 0: an environment's episodes (p2p.messages.RolloutSubmission.from_wire)."""
         with self._lock:  # closing the lease first: a replay, even a concurrent one, finds none
             lease = self.lease
             if lease is None or lease.lease_id != msg.get("lease"):
@@ -112,15 +114,17 @@ class EvalBoard:
                 raise Misbehaviour("another worker's evaluation lease")
             self.lease, self.taking = None, lease  # its version stays pinned while it is verified
         try:
-            return self._take(peer, lease, msg, vocab_size, max_tokens)
+            return self._take(peer, lease, msg, vocab_size, max_tokens, max_turns)
         finally:
             with self._lock:
                 self.taking = None  # done, or refused: then the evaluation is still pending for the next worker
             self.verifier.unpin(lease.version)
 
-    def _take(self, peer: str, lease: EvalLease, msg: dict, vocab_size: int, max_tokens: int) -> tuple[dict, int]:
+    def _take(
+        self, peer: str, lease: EvalLease, msg: dict, vocab_size: int, max_tokens: int, max_turns: int
+    ) -> tuple[dict, int]:
         sizes = [r.group_size for r in self.requests]
-        submission = RolloutSubmission.from_wire(msg, sizes, max_tokens, vocab_size)
+        submission = RolloutSubmission.from_wire(msg, sizes, max_tokens, vocab_size, max_turns)
         if submission.version != lease.version:
             raise BadRequest(f"the evaluation lease is for v{lease.version}, not v{submission.version}")
         if [g.group for g in submission.groups] != [r.group for r in self.requests]:
@@ -130,7 +134,8 @@ class EvalBoard:
             if not self.verifier.wants(peer):
                 continue
             rollouts = [
-                Rollout(request.prompt_ids, c.tokens, c.logprobs, 0.0, 0.0, lease.version) for c in group.completions
+                Rollout(request.prompt_ids, c.tokens, c.logprobs, 0.0, 0.0, lease.version, c.spans)
+                for c in group.completions
             ]
             if request.greedy:
                 measured = self.verifier.check_greedy(peer, lease.version, rollouts)
@@ -139,9 +144,14 @@ class EvalBoard:
             checked += measured is not None
             if peer in self.verifier.flagged:
                 raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
+        try:  # an environment's episodes are replayed: one that does not reproduce is a forgery
+            figures = self.evaluator.score([g.completions for g in submission.groups])
+        except ReplayError as exc:
+            self.verifier.flag(peer, f"an evaluation episode does not replay: {exc}")
+            raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}") from None
         result = {
             "version": lease.version,
-            **self.evaluator.score([g.completions for g in submission.groups]),
+            **figures,
             "worker": peer[-8:],
             "seconds": round(time.monotonic() - lease.issued_at, 3),
         }

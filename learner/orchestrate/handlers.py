@@ -108,7 +108,7 @@ class LearnerService:
         self.evals: EvalBoard | None = None
         if cfg.eval.eval_every:  # a held-out evaluation is one lease, as long as that many training leases
             work = cfg.eval.eval_prompts * (1 + cfg.eval.eval_samples) / (swarm.groups_per_lease * grpo.group_size)
-            evaluator = Evaluator.for_run(cfg, policy, eval_task(cfg))
+            evaluator = Evaluator.for_run(cfg, policy, eval_task(cfg, task))
             self.evals = self.intake.evals = EvalBoard(evaluator, verifier, swarm.lease_timeout * max(1.0, work))
         self.workers: dict[str, WorkerRecord] = {}
         self.gathered = cfg.swarm.min_workers <= 1  # swarm.min_workers hold a version: leases may start

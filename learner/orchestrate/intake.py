@@ -195,7 +195,8 @@ class RolloutIntake:
         assert self.evals is not None
         peer = worker.peer_id
         try:
-            result, checked = self.evals.submit(peer, msg, self.vocab_size, self.cfg.sampler.max_new_tokens)
+            max_turns = self.cfg.env.max_turns if self.episodes else 0
+            result, checked = self.evals.submit(peer, msg, self.vocab_size, completion_tokens(self.cfg), max_turns)
         except (MessageError, BadRequest, Misbehaviour):
             worker.refused += 1
             if peer in self.verifier.flagged:
