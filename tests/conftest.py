@@ -15,6 +15,13 @@ def tiny():
     return tiny_policy(seed=0)
 
 
+# every kind of environment: the built-ins, a module:Class plugin, a verifiers one, one that raises now and then
+EVERY_ENV = [
+    "sokoban", "calculator", "kuhn-poker", "examples.guess_env:GuessEnv", "verifiers:tests.vf_guess",
+    "tests.bad_envs:Flaky",
+]  # fmt: skip
+
+
 def run_cli(
     *args: str, timeout: float = 300, cwd: Path | None = None, columns: int | None = None, env: dict | None = None
 ) -> subprocess.CompletedProcess:

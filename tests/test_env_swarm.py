@@ -7,20 +7,10 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import EVERY_ENV, ROOT, run_cli
 
 
-@pytest.mark.parametrize(
-    "env",
-    [
-        "sokoban",
-        "calculator",
-        "kuhn-poker",
-        "examples.guess_env:GuessEnv",
-        "verifiers:tests.vf_guess",
-        "tests.bad_envs:Flaky",
-    ],
-)
+@pytest.mark.parametrize("env", EVERY_ENV)
 def test_every_environment_trains_through_a_worker(swarm, env):
     learner = swarm.learner("--env", env, "--steps", "2", "--max-episode-tokens", "200", "--verify-first", "100")
     worker = swarm.worker("w1", *(["--allow-env", env] if ":" in env else []))

@@ -36,7 +36,7 @@ from p2p.messages import (
     sampled_positions,
 )
 from tests.bad_envs import Broken
-from tests.conftest import run_cli
+from tests.conftest import EVERY_ENV, run_cli
 
 
 def rules_for(policy, name, args=None, **budgets) -> EpisodeRules:
@@ -387,17 +387,7 @@ def test_verifiers_missing_or_of_another_version_is_a_one_line_error(monkeypatch
         make_env("verifiers:tests.vf_guess")
 
 
-@pytest.mark.parametrize(
-    "env",
-    [
-        "sokoban",
-        "calculator",
-        "kuhn-poker",
-        "examples.guess_env:GuessEnv",
-        "verifiers:tests.vf_guess",
-        "tests.bad_envs:Flaky",
-    ],
-)
+@pytest.mark.parametrize("env", EVERY_ENV)
 def test_every_environment_trains_colocated(tmp_path, env):
     run = tmp_path / "R"
     args = ["--env", env, "--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "16"]
