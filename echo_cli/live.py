@@ -25,6 +25,7 @@ def step_line(m: dict, total: int) -> str:
         line += f" gen {m['seconds']['generate']:.1f}s ({m['gen_tokens_per_s']:.0f} tok/s)"
     if "turns_per_episode" in m:  # a multi-turn environment
         line += f" episodes {m['turns_per_episode']:.1f} turns, {m['tokens_per_episode']:.0f} tokens"
+        line += f", {m['failed_episodes']} failed" if m.get("failed_episodes") else ""
     return line + (f"; held-out {held_out(m['eval'])}" if "eval" in m else "")
 
 

@@ -102,9 +102,10 @@ def environment_line(env: dict) -> str:
     """The run's multi-turn environment and its last step's episodes: turns and tokens per episode."""
     if env.get("turns_per_episode") is None:
         return f"{env['name']} (no step yet)"
+    failed = f"; {env['failed_episodes']} failed (the environment raised)" if env.get("failed_episodes") else ""
     return (
         f"{env['name']}: {env['turns_per_episode']:.1f} turns, {env['tokens_per_episode']:.0f} tokens per episode "
-        f"({env['model_tokens_per_episode']:.0f} sampled, the rest observations), last step"
+        f"({env['model_tokens_per_episode']:.0f} sampled, the rest observations), last step{failed}"
     )
 
 

@@ -237,7 +237,8 @@ def batch_metrics(groups: list[list[Rollout]], stats: dict) -> dict:
 
 def episode_metrics(rollouts: list[Rollout]) -> dict:
     """Turns and tokens per episode of an environment's rollouts (none for single-turn completions):
-    tokens_per_episode counts the model's turns and the observations, model_tokens_per_episode the former."""
+    tokens_per_episode counts the model's turns and the observations, model_tokens_per_episode the former;
+    failed_episodes those whose environment raised (their groups trained on nothing)."""
     episodes = [r for r in rollouts if r.spans]
     if not episodes:
         return {}
@@ -245,4 +246,5 @@ def episode_metrics(rollouts: list[Rollout]) -> dict:
         "turns_per_episode": float(np.mean([(len(r.spans) + 1) // 2 for r in episodes])),
         "tokens_per_episode": float(np.mean([len(r.completion_ids) for r in episodes])),
         "model_tokens_per_episode": float(np.mean([r.model_tokens for r in episodes])),
+        "failed_episodes": sum(r.failed for r in episodes),
     }

@@ -12,6 +12,7 @@ from collections import deque
 import pytest
 import torch
 
+from echo_cli.status import environment_line
 from envs import EnvError, EnvSpec, make_env
 from envs.calculator import CalcError, CalculatorEnv, evaluate
 from envs.episode import EpisodeRules, ReplayError, play_episodes, replay_episode
@@ -19,8 +20,10 @@ from envs.kuhn_poker import KuhnPokerEnv
 from envs.sokoban import MOVES, SokobanEnv, move, parse
 from learner.config import GRPOConfig
 from learner.evaluation import held_out_problems
-from learner.orchestrate.rollouts import Rollout, score_groups
+from learner.orchestrate.journal import group_of, group_record
+from learner.orchestrate.rollouts import Rollout, ScoredGroup, score_groups
 from learner.orchestrate.verify import RolloutVerifier
+from learner.run import episode_metrics
 from learner.tasks import Problem
 from learner.tasks.environment import EnvironmentTask
 from learner.tasks.split import split_task
@@ -299,6 +302,12 @@ def test_an_environment_that_raises_ends_its_episode_and_its_group_trains_on_not
     scored = score_groups(task, tiny, problems, [r.prompt_ids for r in play], [failed, fine], version=0)
     assert [r.reward for r in scored[0]] == [0.0, 0.0] and [r.advantage for r in scored[0]] == [0.0, 0.0]
     assert [r.reward for r in scored[1]] == [3.0, 3.0]
+    assert [r.failed for g in scored for r in g] == [True, True, False, False]
+    assert episode_metrics([r for g in scored for r in g])["failed_episodes"] == 2
+    kept = group_of(group_record(ScoredGroup(3, 0, "w", scored[0])))  # the journal keeps the failure
+    assert [r.failed for r in kept.rollouts] == [True, True] and kept.rollouts[0].spans == scored[0][0].spans
+    status = {"name": "Flaky", "turns_per_episode": 2.0, "tokens_per_episode": 9.0, "model_tokens_per_episode": 4.0}
+    assert environment_line({**status, "failed_episodes": 2}).endswith("; 2 failed (the environment raised)")
     assert "seed 3 (ZeroDivisionError: division by zero in turn 2): its group trains on nothing" in caplog.text
     # a seed whose reset raises: the learner skips it; a worker told to play it drops the lease with one line
     seeds = [task.sample(random.Random(k)).answer for k in range(12)]

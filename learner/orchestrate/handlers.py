@@ -341,7 +341,10 @@ class LearnerService:
             if self.env_wire is None
             else {
                 "name": self.cfg.env.env,
-                **{k: last.get(k) for k in ("turns_per_episode", "tokens_per_episode", "model_tokens_per_episode")},
+                **{
+                    k: last.get(k)
+                    for k in ("turns_per_episode", "tokens_per_episode", "model_tokens_per_episode", "failed_episodes")
+                },
             },
             "buffer": self.buffer.held,
             "set_aside": self.buffer.set_aside,

@@ -41,9 +41,11 @@ FRAME = struct.Struct(">II")  # body length, crc32 of the body
 
 def group_record(group: ScoredGroup) -> dict[str, Any]:
     rollouts = [
-        [r.prompt_ids, r.completion_ids, r.behaviour_logprobs, r.reward, r.advantage] + ([r.spans] if r.spans else [])
+        [r.prompt_ids, r.completion_ids, r.behaviour_logprobs, r.reward, r.advantage]
+        + ([r.spans] if r.spans else [])
+        + ([True] if r.failed else [])
         for r in group.rollouts
-    ]  # an episode's spans as a sixth field: journals written before episodes existed read the same
+    ]  # an episode's spans as a sixth field, its failure as a seventh: older journals read the same
     return {"t": "group", "group": group.group_id, "version": group.version, "worker": group.worker,
             "rollouts": rollouts}  # fmt: skip
 

@@ -36,6 +36,7 @@ class Rollout:
     advantage: float = 0.0
     version: int = 0  # policy version the sampler held when generation started
     spans: list[int] = field(default_factory=list)  # an episode's turns (p2p.messages.sampled_positions)
+    failed: bool = False  # an episode whose environment raised (envs.episode): its group trains on nothing
 
     @property
     def model_tokens(self) -> int:
@@ -82,11 +83,13 @@ def score_groups(
     rules = episode_rules(task)
     scored = []
     for problem, prompt_ids, group in zip(problems, prompts, groups, strict=True):
+        failed = [False] * len(group)
         if rules is not None:
             replayed = [replay_episode(c, problem.answer, rules) for c in group]
             returns = [r.reward for r in replayed]
-            error = next((r.error for r in replayed if r.error), None)
-            if error:
+            failed = [r.error is not None for r in replayed]
+            if any(failed):
+                error = next(r.error for r in replayed if r.error)
                 log.warning("environment %s raised in an episode of seed %d (%s): its group trains on nothing",
                             rules.spec.name, problem.answer, error)  # fmt: skip
                 returns = [0.0] * len(group)
@@ -97,8 +100,8 @@ def score_groups(
         advantages = group_advantages(torch.tensor([rewards], dtype=torch.float64))[0].tolist()  # [G]
         scored.append(
             [
-                Rollout(prompt_ids, c.tokens, c.logprobs, reward, advantage, version, c.spans)
-                for c, reward, advantage in zip(group, rewards, advantages, strict=True)
+                Rollout(prompt_ids, c.tokens, c.logprobs, reward, advantage, version, c.spans, fail)
+                for c, reward, advantage, fail in zip(group, rewards, advantages, failed, strict=True)
             ]
         )
     return scored
