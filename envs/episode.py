@@ -66,6 +66,7 @@ class _Live:
     turns: int = 0
     reward: float = 0.0
     done: bool = False
+    error: str | None = None  # the environment's exception, if its step raised
 
 
 def play_episodes(
@@ -106,6 +107,11 @@ def play_episodes(
                         "which started on the learner: is it deterministic?"
                     ) from None
         _play(generate, requests, params, rules, episodes)
+        for group in episodes:  # one line per group whose environment raised
+            errors = [e.error for e in group if e.error]
+            if errors:
+                log.warning("environment %s raised in %d of %d episodes of seed %d (%s); they end there",
+                            rules.spec.name, len(errors), len(group), group[0].request.episode, errors[0])  # fmt: skip
     finally:
         for e in (e for group in episodes for e in group):
             close_env(e.env)
@@ -156,8 +162,7 @@ def _after_turn(e: _Live, tokens: list[int], logprobs: list[float], rules: Episo
         step = e.env.step(chat.decode(tokens))
         e.reward += step_reward(step.reward)
     except Exception as exc:  # noqa: BLE001 - the environment's failure ends its episode, as the replay will find
-        log.warning("environment %s raised at turn %d of episode %d: %s; the episode ends there",
-                    spec.name, e.turns - 1, e.request.episode, failure(exc))  # fmt: skip
+        e.error = f"turn {e.turns - 1}: {failure(exc)}"
         e.done, record.finish_reason, record.reward = True, "error", e.reward
         return
     record.reward = e.reward

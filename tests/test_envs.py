@@ -292,6 +292,7 @@ def test_an_environment_that_raises_ends_its_episode_and_its_group_trains_on_not
     assert [e.finish_reason for e in failed] == ["error"] * 2 and len(failed[0].spans) == 3 and failed[0].reward == 1
     assert [e.finish_reason for e in fine] == ["stop"] * 2 and fine[0].reward == 3.0
     assert replay_episode(failed[0], 3, rules).error == "ZeroDivisionError: division by zero in turn 2"
+    assert "raised in 2 of 2 episodes of seed 3 (turn 1: ZeroDivisionError" in caplog.text  # one line a group
     assert replay_episode(fine[0], 2, rules).error is None
     with pytest.raises(ReplayError, match="raised at turn 1 .*finish is 'length'"):
         replay_episode(dataclasses.replace(failed[0], finish_reason="length"), 3, rules)
