@@ -95,7 +95,7 @@ def _plugin(spec: str, args: dict[str, Any]) -> EnvFactory:
             f"environment {spec!r}: cannot import {module_name!r} ({exc}); install it or add its folder to PYTHONPATH"
         ) from None
     except Exception as exc:  # noqa: BLE001 - a plugin's own import failure, reported in one line
-        raise EnvError(f"environment {spec!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+        raise EnvError(f"environment {spec!r}: importing {module_name!r} failed: {failure(exc)}") from None
     cls = getattr(module, attr, None)
     if cls is None:
         raise EnvError(f"environment {spec!r}: module {module_name!r} has no {attr!r}")
@@ -128,9 +128,14 @@ def _try(factory: EnvFactory, name: str) -> None:
     except EnvError:
         raise
     except Exception as exc:  # noqa: BLE001 - a user's environment failing its first episode, in one line
-        raise EnvError(f"environment {name!r} failed to start an episode: {type(exc).__name__}: {exc}") from None
+        raise EnvError(f"environment {name!r} failed to start an episode: {failure(exc)}") from None
     if not isinstance(first, str):
         raise EnvError(f"environment {name!r}: reset(seed) must return the first user message as a str")
+
+
+def failure(exc: BaseException) -> str:
+    """An environment's exception in one line (a message may span several: an error stays one line)."""
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
 
 
 def first_message(factory: EnvFactory, seed: int) -> str:

@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from envs import EnvError, EnvFactory, EnvSpec, close_env, make_env
+from envs import EnvError, EnvFactory, EnvSpec, close_env, failure, make_env
 from envs.chat import ChatFormat
 from p2p.messages import Completion, GenerationRequest, SamplingParams, sampled_count
 
@@ -176,11 +176,6 @@ def _after_turn(e: _Live, tokens: list[int], logprobs: list[float], rules: Episo
     record.tokens += observation
     record.logprobs += [0.0] * len(observation)
     record.spans.append(len(observation))
-
-
-def failure(exc: BaseException) -> str:
-    """An environment's exception in one line."""
-    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
 
 
 def step_reward(reward: object) -> float:

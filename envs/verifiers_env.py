@@ -31,7 +31,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from envs import EnvError, EnvFactory, Step
+from envs import EnvError, EnvFactory, Step, failure
 
 SUPPORTED = "verifiers>=0.1.14,<0.2"  # the 0.1.x API: Environment.run_rollout, vf.Client, the Rubric
 _loaded_envs: dict[tuple[str, str], tuple[Any, Any]] = {}  # (env_id, args) -> (environment, its dataset)
@@ -62,7 +62,7 @@ def _loaded(env_id: str, args: dict[str, Any]) -> Any:
         try:
             env = _load_quietly(env_id, args)
         except Exception as exc:  # noqa: BLE001 - the environment's own loading failure, in one line
-            raise EnvError(f"environment 'verifiers:{env_id}' failed to load: {type(exc).__name__}: {exc}") from None
+            raise EnvError(f"environment 'verifiers:{env_id}' failed to load: {failure(exc)}") from None
         if getattr(env, "timeout_seconds", None) is not None:
             env.timeout_seconds = None  # wall-clock limits would count the worker's sampling time
         _loaded_envs[key] = (env, env.get_dataset())
@@ -134,7 +134,7 @@ class VerifiersEnv:
         if asked is None:  # the environment stopped: score the rollout
             output = self.rollout.result()
             if output.get("error"):
-                raise EnvError(f"{self.name}: the rollout failed: {output['error']}")
+                raise EnvError(f"{self.name}: the rollout failed: {str(output['error']).splitlines()[0][:300]}")
             return Step(reward=float(output.get("reward") or 0.0), done=True)
         if len(asked) <= self.seen or asked[self.seen]["role"] != "assistant":
             raise EnvError(f"{self.name}: the environment rewrote the conversation; echo-rl plays linear episodes")
@@ -158,7 +158,7 @@ class VerifiersEnv:
         asked.cancel()
         if self.rollout.exception() is not None:
             exc = self.rollout.exception()
-            raise EnvError(f"{self.name}: the rollout raised {type(exc).__name__}: {exc}") from None
+            raise EnvError(f"{self.name}: the rollout raised {failure(exc)}") from None
         return None
 
 

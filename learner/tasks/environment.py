@@ -12,8 +12,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from envs import EnvError, first_message
-from envs.episode import EpisodeRules, failure
+from envs import EnvError, failure, first_message
+from envs.episode import EpisodeRules
 from learner.tasks import Problem, Task
 
 START_TRIES = 20  # seeds in a row whose reset() may raise before sampling gives up
