@@ -133,6 +133,9 @@ probability under V * e^-50 (2e-17 for a 100k vocabulary) per token, at any temp
 -1000 would otherwise overflow the learner's importance ratio exp(logp - logp_mu)."""
 MAX_VERSION = 2**31 - 1  # policy versions a peer may name (the learner refuses any it never published)
 MAX_RATE = 1e9  # tokens/s or $/h a worker may declare
+MIN_TOKENS_PER_S = 1e-3
+"""A declared generation rate is 0 (not measured yet) or at least this: slower than one token in 17 minutes is
+no worker, and a tiny float (1e-307) would be flushed to 0 by the learner's arithmetic and divide by zero."""
 
 
 def _int(msg: dict, key: str, low: int, high: int) -> int:
@@ -213,12 +216,11 @@ class Heartbeat:
                 kept[key] = value[:32]
             elif isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 20:
                 kept[key] = value
-        return cls(
-            _int(msg, "version", -1, MAX_VERSION),
-            _float(msg, "tokens_per_s", 0.0, MAX_RATE, 0.0),
-            _float(msg, "price", 0.0, MAX_RATE, 0.0),
-            kept,
-        )
+        tokens_per_s = _float(msg, "tokens_per_s", 0.0, MAX_RATE, 0.0)
+        if 0.0 < tokens_per_s < MIN_TOKENS_PER_S:
+            raise MessageError(f"'tokens_per_s' must be 0 (unmeasured) or >= {MIN_TOKENS_PER_S}, got {tokens_per_s!r}")
+        price = _float(msg, "price", 0.0, MAX_RATE, 0.0)
+        return cls(_int(msg, "version", -1, MAX_VERSION), tokens_per_s, price, kept)
 
 
 @dataclass(frozen=True)

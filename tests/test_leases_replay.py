@@ -8,16 +8,43 @@ from learner.orchestrate.rollouts import Rollout, ScoredGroup
 from p2p.broadcast import ChunkStore
 
 
-def test_leases_expire_and_their_groups_are_reissued_first():
+def test_leases_expire_and_their_groups_are_reissued_first_to_a_reliable_worker():
     table = LeaseTable(timeout_s=0.05)
-    a = table.issue("w1", 2, min_version=0)
-    assert a.group_ids == [0, 1]
+    table.complete(table.issue("w2", 1, min_version=0).lease_id, "w2")  # w2 delivered: reliable
+    a = table.issue("w1", 2, min_version=0, timeout_s=0.05)
+    assert a.group_ids == [1, 2]
     time.sleep(0.1)
+    assert table.issue("w3", 1, min_version=0).group_ids == [3]  # a worker that never delivered: new groups
     b = table.issue("w2", 3, min_version=0)
-    assert b.group_ids == [0, 1, 2]  # w1's expired groups first, then a new one
+    assert b.group_ids == [1, 2, 4]  # w1's expired groups first, then a new one
     with pytest.raises(LeaseError, match="late"):
         table.complete(a.lease_id, "w1")
     assert table.counters.expired == 1 and table.counters.refused == {"late": 1}
+    assert not table.is_reliable("w1") and table.is_reliable("w2")
+
+
+def test_one_live_lease_per_worker_and_only_reliable_ones_are_counted():
+    """A worker that asks again gives up the lease it holds; a lease counts towards the next batch only from a
+    worker whose last lease came back, and only until it is due."""
+    table = LeaseTable(timeout_s=60)
+    first = table.issue("hoarder", 2, min_version=0)
+    second = table.issue("hoarder", 2, min_version=0)
+    assert table.open_leases() == {"hoarder": 1} and table.abandoned == 1
+    assert second.group_ids == [2, 3] and table.owed_groups() == 0 and table.unproven_groups() == 2
+    assert table.unproven_groups(besides="hoarder") == 0
+    with pytest.raises(LeaseError, match="late"):  # given up: its groups are someone else's now
+        table.complete(first.lease_id, "hoarder")
+
+    honest = table.issue("honest", 1, min_version=0)
+    table.complete(honest.lease_id, "honest")
+    counted = table.issue("honest", 2, min_version=0, due_s=0.05)
+    assert counted.group_ids == [0, 1]  # the hoarder's given-up groups go to the reliable worker
+    assert table.owed_groups() == 2
+    time.sleep(0.1)
+    assert table.owed_groups() == 0  # overdue: the batch no longer waits for it
+    table.complete(counted.lease_id, "honest")  # but a late submission is still taken
+    table.release(table.complete(table.issue("honest", 1, min_version=0).lease_id, "honest"))
+    assert not table.is_reliable("honest")  # a refused submission: unreliable until one is accepted
 
 
 def test_duplicate_foreign_and_unknown_submissions_are_refused():

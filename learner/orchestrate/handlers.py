@@ -170,6 +170,7 @@ class LearnerService:
                 if self.evals is not None:
                     self.evals.forget_worker(peer)
                 requeued = self.leases.requeue_worker(peer)
+                self.leases.forget_worker(peer)
                 log.info("worker %s went silent: %d of its leases go to others", peer[-8:], requeued)
                 with self._lock:
                     self.workers.pop(peer, None)
@@ -223,7 +224,9 @@ class LearnerService:
             return
         rollout_tokens = tokens / (groups * self.cfg.grpo.group_size)
         rate = tokens_per_s / rollout_tokens
-        lease_s = self.cfg.swarm.groups_per_lease * self.cfg.grpo.group_size / rate
+        lease_s = self.cfg.swarm.groups_per_lease * self.cfg.grpo.group_size / rate if rate > 0 else math.inf
+        if not math.isfinite(lease_s):  # bounded at the wire (p2p.messages.MIN_TOKENS_PER_S); belt and braces
+            return
         with self._sched_lock:
             self.scheduler.declare(peer, rate, lease_s)
 
@@ -244,7 +247,11 @@ class LearnerService:
         evaluation = self.evals.offer(peer, request.version) if self.evals is not None else None
         if evaluation is not None:  # held-out evaluation first: any worker holding the version may do it
             return LeaseReply(evaluation).to_wire()
-        batch_groups, buffered, leased = self.groups_per_batch(), len(self.buffer), self.leases.outstanding_groups()
+        # leases of workers that have not (lately) returned one are extras, at most a batch (orchestrate.leases)
+        batch_groups, buffered, leased = self.groups_per_batch(), len(self.buffer), self.leases.owed_groups()
+        if not self.leases.is_reliable(peer) and self.leases.unproven_groups(besides=peer) >= batch_groups:
+            self._decline("unproven")
+            return LeaseReply(wait=0.5, newest=versions.published).to_wire()
         made, started = versions.newest_made(), self.step_started
         with self._sched_lock:
             admitted = self.admission.admit(
@@ -254,12 +261,13 @@ class LearnerService:
                 newer_age_s=now - made[1] if made is not None and made[0] > request.version else None,
                 step_age_s=None if started is None else now - started,
             )  # fmt: skip
+            due_s = self.scheduler.lease_due(peer)
         if not admitted.groups:
             self._decline(admitted.refused)
             # behind/stale/late/newer: generate with a newer version (the worker is fetching it); full: wait
             inactive = admitted.refused == "inactive"  # it keeps polling, so it fetches and relays versions
             return LeaseReply(wait=0.5 if inactive else 0.2, newest=versions.published, inactive=inactive).to_wire()
-        lease = self.leases.issue(peer, admitted.groups, min_version=request.version, timeout_s=admitted.timeout_s)
+        lease = self.leases.issue(peer, admitted.groups, request.version, admitted.timeout_s, due_s)
         self.journal.issue(lease.group_ids)
         sampler, group_size = self.cfg.sampler, self.cfg.grpo.group_size
         grant = LeaseGrant(
@@ -317,10 +325,12 @@ class LearnerService:
                     "open_leases": open_leases.get(w.peer_id, 0),
                     "stale_dropped": self.buffer.dropped_by_worker.get(w.peer_id, 0),
                     "verified": verifier.checked.get(w.peer_id, 0),
+                    "verify_share": round(verifier.share(w.peer_id), 4),
+                    "reliable": self.leases.is_reliable(w.peer_id),
                     "flagged": verifier.flagged.get(w.peer_id),
                 }
             )
-        divergences, misses = verifier.recent()
+        divergences, misses, off_draws = verifier.recent()
         divergences.sort()
         return {
             "schema": 1,
@@ -350,14 +360,18 @@ class LearnerService:
             "set_aside": self.buffer.set_aside,
             "rollouts_per_s": round(self.buffer.added * self.cfg.grpo.group_size / max(now - self.started, 1e-9), 2),
             "stale_dropped": self.buffer.dropped_stale,
+            "leases": self.leases.summary() | {"declined": dict(self.declined)},
             "uptime_s": round(now - self.started, 1),
             "verification": {
                 "groups_checked": len(divergences),
                 "divergence_median": divergences[len(divergences) // 2] if divergences else None,
                 "divergence_max": divergences[-1] if divergences else None,
                 "draw_miss_max": max(misses, default=None),
+                "off_draw_max": max(off_draws, default=None),
                 "tolerance": swarm.verify_tolerance,
                 "draw_tolerance": swarm.verify_draw_tolerance,
+                "off_draw_tolerance": swarm.verify_off_draw,
+                **verifier.cost(),
                 "flagged": dict(verifier.flagged),
                 "groups_dropped": self.buffer.dropped_flagged,
             },

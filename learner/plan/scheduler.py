@@ -320,6 +320,14 @@ class Scheduler:
     def active_workers(self) -> int:
         return sum(s.active for s in self.workers.values())
 
+    def lease_due(self, worker: str) -> float | None:
+        """Seconds the next batch counts on a lease of this worker: 2 L_i + 1 once one of its leases came back
+        (None before: until its deadline). Past it the learner leases those groups' share to others meanwhile."""
+        state = self.workers.get(worker)
+        if state is None or state.lease_s.value is None:
+            return None
+        return 2 * state.lease_s.value + 1.0
+
     def lease_deadline(self, worker: str) -> float:
         """Seconds this worker gets for a lease: three times its usual lease time, within bounds."""
         c = self.cfg
