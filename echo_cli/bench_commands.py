@@ -7,6 +7,7 @@ import json
 import typer
 
 from echo_cli.terminal import console, fail, setup_logging, user_errors
+from learner.config import SwarmConfig
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print measured figures.")
 
@@ -70,11 +71,18 @@ def bench_verify(
     threads: int = typer.Option(2, "--threads", help="CPU threads."),
     cache_dir: str = typer.Option("~/.cache/echo-rl", "--cache-dir", help="Model cache."),
     temperatures: str = typer.Option("1.0", "--temperatures", help="Comma-separated sampling temperatures."),
+    draw_tolerance: float = typer.Option(
+        SwarmConfig.verify_draw_tolerance, "--draw-tolerance", help="Draw miss m that flags a worker."
+    ),
+    off_draw: float = typer.Option(
+        SwarmConfig.verify_off_draw, "--off-draw", help="Share of tokens off their draws that flags a worker."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Calibrate rollout verification: honest llama.cpp rollouts against forged logprobs and unsampled text."""
+    """Calibrate rollout verification: honest llama.cpp rollouts against forged logprobs, unsampled and
+    steered text."""
     setup_logging()
-    from echo_cli.bench import run_verify_bench
+    from echo_cli.bench_verify import run_verify_bench
 
     if wire_dtype not in ("f16", "bf16") or not 0 < top_p <= 1:
         raise fail("--wire-dtype must be f16 or bf16 and --top-p in (0, 1]")
@@ -86,8 +94,9 @@ def bench_verify(
         raise fail(f"--temperatures must all be > 0, got {temperatures!r}")
     try:
         run_verify_bench(
-            model, prompts, group_size, max_new_tokens, top_p, wire_dtype, threads, cache_dir, json_out, temps
-        )
+            model, prompts, group_size, max_new_tokens, top_p, wire_dtype, threads, cache_dir, json_out, temps,
+            SwarmConfig.verify_tolerance, draw_tolerance, off_draw,
+        )  # fmt: skip
     except user_errors() as exc:
         raise fail(str(exc)) from None
 

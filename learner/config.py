@@ -235,14 +235,16 @@ class SwarmConfig:
     than with whichever worker joined first (checked once per start; workers that leave later do not stop it)."""
     prefetch_batches: int = 1
     """async: batches of prompt groups leased or buffered ahead of training (1: the next is made during this step)."""
-    verify_first: int = 4
-    """A worker is new until this many of its groups were verified; while new, each is checked at 50%."""
+    verify_first: int = 8
+    """A worker's groups are all verified until this many were; then first / (groups accepted) of them."""
     verify_fraction: float = 0.05
-    """After that, the share of groups verified, drawn from the OS's randomness (0 with verify_first = 0: no checks)."""
+    """The least share of an established worker's groups verified (0 with verify_first = 0: no checks)."""
     verify_tolerance: float = 0.02
     """Mean |logprob difference| per token (nats) above which a worker is flagged and its rollouts dropped."""
     verify_draw_tolerance: float = 0.02
     """How far a token's draw may miss its inverse-CDF interval (probability mass) before the worker is flagged."""
+    verify_off_draw: float = 0.05
+    """Share of a group's tokens that may lie beside their draw's token (float noise) before the worker is flagged."""
     read_timeout: float = 30.0
     """Seconds a peer has to deliver a whole request (a slow peer cannot hold the learner's streams open)."""
     upload_bps: float = 0.0
@@ -280,6 +282,9 @@ class SwarmConfig:
             0 < self.verify_draw_tolerance < 1,
             "swarm.verify_draw_tolerance",
             f"must be in (0, 1), got {self.verify_draw_tolerance}",
+        )
+        require(
+            0 < self.verify_off_draw <= 1, "swarm.verify_off_draw", f"must be in (0, 1], got {self.verify_off_draw}"
         )
         if self.sync_mode == "pull":
             require(

@@ -134,6 +134,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                 "groups_consumed": service.buffer.consumed,
                 "groups_set_aside": service.buffer.set_aside,
                 "groups_dropped_flagged": service.buffer.dropped_flagged,
+                "verification": verifier.cost(),  # since the start: groups replayed and seconds spent
                 "leases": {
                     "issued": counters.issued,
                     "completed": counters.completed,

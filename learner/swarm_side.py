@@ -114,6 +114,7 @@ def start_swarm(cfg: LearnerConfig, run: Run, resume: bool) -> SwarmSide:
             swarm.verify_tolerance, swarm.verify_draw_tolerance,
             lora_scale=cfg.model.lora_alpha / max(cfg.model.lora_rank, 1),
             keep=swarm.staleness + swarm.publish_every + 1, device=run.world.device,
+            off_draw_tolerance=swarm.verify_off_draw,
         )  # fmt: skip
         service = LearnerService(
             seeder, cfg, policy, run.task, model_spec(policy), publisher.run_id, journal, verifier, resumed

@@ -218,11 +218,11 @@ def test_episode_draws_and_logprobs_verify(tiny, played):
     verifier.remember(0, wire_tensors(tiny.model), None)
     for request, group in zip(requests, groups, strict=True):
         rollouts = [Rollout(request.prompt_ids, e.tokens, e.logprobs, 0.0, 0.0, 0, e.spans) for e in group]
-        d, miss = verifier.measure(0, params.seed, request.group, rollouts)
-        assert d < 5e-3 and miss < 1e-3
+        replay = verifier.measure(0, params.seed, request.group, rollouts)
+        assert replay.divergence < 5e-3 and replay.draw_miss < 1e-3 and replay.off_draw == 0
     # the same tokens claimed as one single-turn completion: observation tokens were not drawn, so they miss
     flat = [Rollout(requests[0].prompt_ids, e.tokens, e.logprobs, 0.0, 0.0, 0) for e in groups[0]]
-    assert verifier.measure(0, params.seed, requests[0].group, flat)[1] > 0.01
+    assert verifier.measure(0, params.seed, requests[0].group, flat).draw_miss > 0.01
 
 
 def test_observation_tokens_get_exactly_zero_gradient(tiny):

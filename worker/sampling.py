@@ -18,6 +18,19 @@ def sample_next(logits: np.ndarray, temperature: float, top_p: float, u: np.ndar
     """
     if temperature == 0:
         return logits.argmax(axis=1).astype(np.int64), np.zeros(len(logits))
+    probs, logp = policy_distribution(logits, temperature, top_p)
+    tokens = inverse_cdf(probs, u)
+    # a token of probability 0 can never be drawn: step back onto the last kept one if rounding put us there
+    chosen = logp[np.arange(len(tokens)), tokens]
+    for i in np.nonzero(~np.isfinite(chosen))[0]:
+        tokens[i] = int(np.nonzero(probs[i] > 0)[0][-1])
+        chosen[i] = logp[i, tokens[i]]
+    return tokens.astype(np.int64), chosen.astype(np.float64)
+
+
+def policy_distribution(logits: np.ndarray, temperature: float, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """The distribution sample_next draws from, for rows of `logits` [n, V]: (probs [n, V], logprobs [n, V];
+    -inf outside the nucleus), in float64."""
     z = logits.astype(np.float64, copy=False) / temperature  # [n, V]
     z = z - z.max(axis=1, keepdims=True)
     logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))  # [n, V] log-softmax
@@ -33,10 +46,4 @@ def sample_next(logits: np.ndarray, temperature: float, top_p: float, u: np.ndar
         kept_mass = probs.sum(axis=1, keepdims=True)
         probs = probs / kept_mass
         logp = np.where(keep, logp - np.log(kept_mass), -np.inf)
-    tokens = inverse_cdf(probs, u)
-    # a token of probability 0 can never be drawn: step back onto the last kept one if rounding put us there
-    chosen = logp[np.arange(len(tokens)), tokens]
-    for i in np.nonzero(~np.isfinite(chosen))[0]:
-        tokens[i] = int(np.nonzero(probs[i] > 0)[0][-1])
-        chosen[i] = logp[i, tokens[i]]
-    return tokens.astype(np.int64), chosen.astype(np.float64)
+    return probs, logp

@@ -133,7 +133,7 @@ class RolloutIntake:
         self.prompts.forget(lease.group_ids)  # a group is scored once: its prompt need not be kept any more
         for group in groups:
             self.buffer.add(group)
-        self.verifier.accepted(peer, verified)  # only accepted work counts as verified
+        self.verifier.accepted(peer, verified, len(groups))  # only accepted work counts as verified
         fresh = within_staleness(self.versions.trained, version, self.buffer.staleness)
         with self._sched_lock:  # verification (a second or two per checked group) is not the worker's time
             self.scheduler.lease_done(peer, arrived, arrived - lease.issued_at, sum(len(g) for g in scored))
@@ -172,9 +172,10 @@ class RolloutIntake:
             rollouts = [
                 Rollout(prompt, c.tokens, c.logprobs, 0.0, 0.0, submission.version, c.spans) for c in group.completions
             ]
-            # None: the claimed version left the window of kept weights, so the group is too stale to train on
-            if self.verifier.check(peer, submission.version, lease_id, group.group, rollouts) is not None:
-                checked += 1
+            # None: the claimed version left the window of kept weights: too stale to train on, and unverifiable
+            if self.verifier.check(peer, submission.version, lease_id, group.group, rollouts) is None:
+                raise BadRequest(f"v{submission.version} is too old to verify or train on: fetch a newer version")
+            checked += 1
             if peer in self.verifier.flagged:
                 self._drop_flagged(peer)
         return checked

@@ -7,16 +7,22 @@ float32 copy of the architecture, and recomputes at the same temperature and top
 
     logprob divergence   d = mean over the group's tokens of min(|log mu_worker - log mu_x|, CAP)
     draw miss            m = max over the group's tokens of dist(u, [C_x(t - 1), C_x(t)])
+    off-draw share       o = share of the group's tokens with dist(u, [C_x(t - 1), C_x(t)]) > 0
 
 where u = p2p.draws.uniform(lease seed, group, completion, position) is the token's draw and
 [C_x(t - 1), C_x(t)] its interval of the inverse CDF in token-id order under version x (dist is 0 inside).
 d catches forged logprobs; m catches text the worker did not sample (its own text with exact logprobs,
 another seed): given the seed and the weights a completion is determined, up to float noise at the
-interval borders. With top-p < 1 both are taken under two nuclei, the strict one and the one a token
-wider, whichever is closer: rounding can put a token just inside the worker's nucleus and just outside ours.
+interval borders. o catches steering within m's tolerance: where the policy is flat, many tokens' intervals
+lie within it of u, and a worker that knows u and the weights could pick among them; an honest worker's
+token is off its draw only where u lies within float noise of an interval's border, which is rare, so a
+worker that steers often is flagged and one that steers rarely moves the data by no more than noise does.
+With top-p < 1 all three are taken under two nuclei, the strict one and the one a token wider, whichever is
+closer: rounding can put a token just inside the worker's nucleus and just outside ours.
 
-A worker whose d exceeds `tolerance` or whose m exceeds `draw_tolerance` is flagged: the submission is
-refused and every group of that worker still in the buffer is dropped. Honest llama.cpp output (F16
+A worker whose d exceeds `tolerance`, whose m exceeds `draw_tolerance` or whose o exceeds
+`off_draw_tolerance` is flagged: the submission is refused and every group of that worker still in the
+buffer is dropped. Honest llama.cpp output (F16
 GGUF, its own kernels) differs from torch only by rounding; `echo-rl bench verify` measures that noise
 and how far forgeries land.
 
@@ -27,10 +33,16 @@ the most likely one under version x, up to the rounding noise between llama.cpp'
 
 and a worker whose g exceeds GREEDY_GAP is flagged like any other forger.
 
-Which groups: each group independently, with probability `new_fraction` until `first` of a worker's
-groups were verified and accepted, `fraction` after, drawn from the operating system's randomness, so
-nothing a worker sees (not the run seed, not its lease ids) tells which of its groups will be checked.
-Only groups of accepted submissions count as verified work: replays and refusals never do.
+Which groups: each group independently, with a probability that falls as the worker's accepted work grows,
+
+    p(worker) = 1                               while fewer than `first` of its groups were verified
+              = max(fraction, first / n)        after, n = its groups accepted so far
+
+drawn from the operating system's randomness, so nothing a worker sees (not the run seed, not its lease
+ids) tells which of its groups will be checked. A new identity's forgery is therefore never trained on:
+identities are free, so the first groups of each are all checked, and a forger must first deliver
+`first` verified honest groups, then about first / (1 - q) in all before a forgery passes with probability
+q. Only groups of accepted submissions count as verified or accepted work: replays and refusals never do.
 """
 
 from __future__ import annotations
@@ -38,8 +50,10 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -137,6 +151,20 @@ def draw_miss(misses: torch.Tensor) -> float:
     return float(misses.min(dim=0).values.max()) if misses.numel() else 0.0
 
 
+def off_draw(misses: torch.Tensor) -> float:
+    """The share of tokens whose draw lies outside their interval; `misses` [K, N]: per token, the closest row."""
+    return float((misses.min(dim=0).values > 0).double().mean()) if misses.numel() else 0.0
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What replaying one group's sampling found (module docstring): d, m and o."""
+
+    divergence: float
+    draw_miss: float
+    off_draw: float
+
+
 def group_draws(seed: int, group_id: int, group: list[Rollout]) -> torch.Tensor:
     """The draws behind every sampled token of a group, flat in completion order: [N]. An episode's position
     counts its observation tokens too (p2p.messages.GenerationRequest)."""
@@ -151,21 +179,24 @@ class RolloutVerifier:
 
     def __init__(
         self, make_model, temperature: float, top_p: float, first: int, fraction: float, tolerance: float,
-        draw_tolerance: float, lora_scale: float = 0.0, keep: int = 4, new_fraction: float = 0.5,
-        device: torch.device | str = "cpu",
+        draw_tolerance: float, lora_scale: float = 0.0, keep: int = 4, device: torch.device | str = "cpu",
+        off_draw_tolerance: float = 1.0,
     ) -> None:  # fmt: skip
         self.make_model = make_model  # () -> a float32 torch model of the policy's architecture (no LoRA)
         self.device = torch.device(device)  # where the replay runs (the learner's device)
         self.temperature, self.top_p = temperature, top_p
         self.first, self.fraction, self.tolerance = first, fraction, tolerance
-        self.draw_tolerance = draw_tolerance
-        self.new_fraction = max(new_fraction, fraction) if first > 0 else fraction
+        self.draw_tolerance, self.off_draw_tolerance = draw_tolerance, off_draw_tolerance
         self.lora_scale = lora_scale
         self.keep = keep  # versions kept besides a LoRA base: staleness + publish_every + 1 is enough
         self.versions: dict[int, tuple[dict[str, np.ndarray], int | None]] = {}  # v -> (wire tensors, adapter base)
         self.checked: dict[str, int] = {}  # worker -> groups verified in accepted submissions
+        self.groups_accepted: dict[str, int] = {}  # worker -> groups accepted (verified or not)
+        self.replays = 0  # groups replayed (accepted or not), and the seconds it took: the learner's cost
+        self.replay_s = 0.0
         self.divergences: deque[float] = deque(maxlen=1000)  # of the newest verified groups, for status
         self.draw_misses: deque[float] = deque(maxlen=1000)
+        self.off_draws: deque[float] = deque(maxlen=1000)
         self.flagged: dict[str, str] = {}  # worker -> why
         self.pinned: set[int] = set()  # versions kept whatever their age (an evaluation lease is out on them)
         self._rng = random.SystemRandom()  # the OS's randomness: no seed a worker could learn
@@ -204,35 +235,48 @@ class RolloutVerifier:
             model = sum(p.numel() * p.element_size() for p in self._model.parameters()) if self._model else 0
         return (kept + model) / 2**30
 
+    def share(self, worker: str) -> float:
+        """p(worker): the probability that its next group is verified (module docstring)."""
+        with self._lock:
+            if not self.enabled:
+                return 0.0
+            if self.checked.get(worker, 0) < self.first:
+                return 1.0
+            return max(self.fraction, min(1.0, self.first / max(1, self.groups_accepted.get(worker, 0))))
+
     def wants(self, worker: str) -> bool:
         """Whether to verify this group of `worker`: an independent draw from the OS's randomness."""
-        with self._lock:
-            new = self.checked.get(worker, 0) < self.first
-            return self._rng.random() < (self.new_fraction if new else self.fraction)
+        return self._rng.random() < self.share(worker)
 
-    def measure(self, version: int, seed: int, group_id: int, group: list[Rollout]) -> tuple[float, float] | None:
+    def measure(self, version: int, seed: int, group_id: int, group: list[Rollout]) -> Replay | None:
         """Replay a group's sampling (its lease's `seed`, its id, its completions in order) under version
-        `version`: (logprob divergence d, draw miss m), or None if that version is no longer kept."""
+        `version`, or None if that version is no longer kept."""
         with self._lock:
             if version not in self.versions:
                 return None
+            tick = time.perf_counter()
             self._load_locked(version)
             with torch.no_grad():
                 recomputed, misses = replay_sampling(
                     self._model, group, self.temperature, self.top_p, group_draws(seed, group_id, group)
                 )
-        return divergence([lp for r in group for lp in sampled_logprobs(r)], recomputed), draw_miss(misses)
+            self.replays += 1
+            self.replay_s += time.perf_counter() - tick
+        d = divergence([lp for r in group for lp in sampled_logprobs(r)], recomputed)
+        return Replay(d, draw_miss(misses), off_draw(misses))
 
-    def check(self, worker: str, version: int, seed: int, group_id: int, group: list[Rollout]) -> float | None:
-        """measure() a group of `worker` and flag the worker when d > tolerance or a token's draw misses its
-        interval by more than draw_tolerance. Returns d, or None if the version is no longer kept."""
-        measured = self.measure(version, seed, group_id, group)
-        if measured is None:
+    def check(self, worker: str, version: int, seed: int, group_id: int, group: list[Rollout]) -> Replay | None:
+        """measure() a group of `worker` and flag the worker when d > tolerance, a token's draw misses its
+        interval by more than draw_tolerance, or more than off_draw_tolerance of its tokens are off their
+        draws. None if the version is no longer kept."""
+        replay = self.measure(version, seed, group_id, group)
+        if replay is None:
             return None
-        d, m = measured
+        d, m, o = replay.divergence, replay.draw_miss, replay.off_draw
         with self._lock:
             self.divergences.append(d)
             self.draw_misses.append(m)
+            self.off_draws.append(o)
             if d > self.tolerance:
                 self.flagged[worker] = (
                     f"logprobs diverge from v{version} by {d:.3f} nats/token (tolerance {self.tolerance})"
@@ -242,7 +286,12 @@ class RolloutVerifier:
                     f"tokens were not sampled from the lease's draws under v{version}: a draw misses its "
                     f"token's interval by {m:.4f} (tolerance {self.draw_tolerance})"
                 )
-        return d
+            elif o > self.off_draw_tolerance:
+                self.flagged[worker] = (
+                    f"tokens were steered off the lease's draws under v{version}: {o:.1%} of them lie beside "
+                    f"their draw's token (tolerance {self.off_draw_tolerance:.1%})"
+                )
+        return replay
 
     def check_greedy(self, worker: str, version: int, group: list[Rollout]) -> float | None:
         """The greedy gap g of a group's completions under `version`; flags the worker when g > GREEDY_GAP.
@@ -250,9 +299,12 @@ class RolloutVerifier:
         with self._lock:
             if version not in self.versions:
                 return None
+            tick = time.perf_counter()
             self._load_locked(version)
             with torch.no_grad():
                 gap = float(greedy_gaps(self._model, group).max())
+            self.replays += 1
+            self.replay_s += time.perf_counter() - tick
             if gap > GREEDY_GAP:
                 self.flagged[worker] = (
                     f"greedy tokens are not the most likely under v{version}: one lies {gap:.3f} below "
@@ -265,16 +317,23 @@ class RolloutVerifier:
         with self._lock:
             self.flagged[worker] = why
 
-    def recent(self) -> tuple[list[float], list[float]]:
-        """The divergences and draw misses of the newest checked groups (a copy: handlers add to them)."""
+    def recent(self) -> tuple[list[float], list[float], list[float]]:
+        """The divergences, draw misses and off-draw shares of the newest checked groups (a copy)."""
         with self._lock:
-            return list(self.divergences), list(self.draw_misses)
+            return list(self.divergences), list(self.draw_misses), list(self.off_draws)
 
-    def accepted(self, worker: str, verified_groups: int) -> None:
-        """Count groups verified in a submission that was then accepted (only those are verified work)."""
-        if verified_groups:
-            with self._lock:
-                self.checked[worker] = self.checked.get(worker, 0) + verified_groups
+    def accepted(self, worker: str, verified_groups: int, groups: int | None = None) -> None:
+        """Count a submission that was accepted: `groups` groups (None: as many as verified), of which
+        `verified_groups` were verified (only accepted ones are verified work)."""
+        with self._lock:
+            self.checked[worker] = self.checked.get(worker, 0) + verified_groups
+            accepted = verified_groups if groups is None else groups
+            self.groups_accepted[worker] = self.groups_accepted.get(worker, 0) + accepted
+
+    def cost(self) -> dict[str, float]:
+        """Groups replayed so far and the seconds the replays took (for each step's metrics)."""
+        with self._lock:
+            return {"groups": self.replays, "seconds": round(self.replay_s, 3)}
 
     def _load_locked(self, version: int) -> None:
         if self._loaded == version:
