@@ -22,6 +22,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgpack
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 import zstandard
 
+from echo_cli.bench_verify import steered_completion
 from learner.orchestrate.rollouts import Rollout
 from learner.orchestrate.verify import replay_sampling
 from p2p.auth import authenticate
@@ -105,7 +107,12 @@ class Adversary:
             host.stop()
 
     def status(self) -> dict:
-        return self.observer.request(self.learner, STATUS, {}, timeout=30)
+        return self.read_status(self.observer, self.addr)
+
+    @staticmethod
+    def read_status(host: Host, learner_addr: str) -> dict:
+        """The learner's open status document, read by `host` (connected to it)."""
+        return host.request(learner_addr.rsplit("/p2p/", 1)[-1], STATUS, {}, timeout=30)
 
     def sync(self) -> None:
         """Hold the newest published weights in a transformers engine (an honest worker's sampler)."""
@@ -211,6 +218,21 @@ class Adversary:
                 lambda: self._request(HEARTBEAT, {"version": 2**40, "price": float("inf"), "tokens_per_s": 1e300}),
             ),
             (
+                "heartbeat declaring 1e-307 tokens/s (flushed to 0 by the learner's arithmetic)",
+                "refused as malformed, penalty; no exception in the learner",
+                lambda: self._request(HEARTBEAT, {"version": 0, "tokens_per_s": 1e-307}),
+            ),
+            (
+                "heartbeat declaring NaN tokens/s and a denormal price",
+                "refused as malformed, penalty",
+                lambda: self._request(HEARTBEAT, {"version": 0, "tokens_per_s": float("nan"), "price": 5e-324}),
+            ),
+            (
+                "hoarding: an identity asks for a lease again and again and returns none",
+                "it holds one lease at a time, which the next batch does not count on",
+                self._hoard,
+            ),
+            (
                 "heartbeat with a 1 MB hardware string",
                 "cut by the frame limit, 'bad frame' penalty",
                 lambda: self._request(
@@ -278,6 +300,11 @@ class Adversary:
                 "text sampled with another seed, exact logprobs",
                 "flagged when verified (draws miss their intervals)",
                 lambda: self._until_flagged(lambda lease, groups: self.sample(lease, seed_offset=1)),
+            ),
+            (
+                "text steered within the draw tolerance, exact logprobs",
+                "flagged when verified (too many tokens off their draws)",
+                lambda: self._until_flagged(self.steered),
             ),
         ]
 
@@ -405,6 +432,80 @@ class Adversary:
             out.append(forged)
         return out
 
+    def steered(self, lease: dict, groups: list[list[Completion]]) -> list[list[Completion]]:
+        """Every completion rewritten token by token: the least likely token within the learner's draw
+        tolerance of each draw (echo_cli.bench_verify.steered_completion), with exact logprobs."""
+        p = lease["params"]
+        band = 0.9 * self.status()["verification"]["draw_tolerance"]
+        out = []
+        for g, honest in zip(lease["groups"], groups, strict=True):
+            forged = []
+            for j, c in enumerate(honest):
+                tokens = steered_completion(
+                    self.engine.model, g["prompt_ids"], len(c.tokens), p["seed"], g["group"], j, p["temperature"],
+                    p["top_p"], band, set(self.spec.eos_ids),
+                )  # fmt: skip
+                forged.append(Completion(tokens, self.exact_logprobs(lease, g["prompt_ids"], tokens), "length"))
+            out.append(forged)
+        return out
+
+    def shifted(self, lease: dict, groups: list[list[Completion]]) -> list[list[Completion]]:
+        """Honest tokens, every exact logprob lowered by 0.1 nats (a forger nudging the importance ratio)."""
+        return [[Completion(c.tokens, [max(lp - 0.1, -49.0) for lp in c.logprobs], c.finish_reason) for c in g]
+                for g in groups]  # fmt: skip
+
+    def plausible(self, lease: dict, groups: list[list[Completion]]) -> list[list[Completion]]:
+        """Random tokens with plausible logprobs (the honest completion's, token for token)."""
+        rng = random.Random(lease["id"])
+        return [
+            [Completion([rng.randrange(3, self.spec.vocab_size) for _ in c.tokens], c.logprobs, "length") for c in g]
+            for g in groups
+        ]
+
+    def _hoard(self) -> tuple[str, bool, dict]:
+        host = self.fresh()
+        leases = [self.lease(host) for _ in range(5)]
+        mine = next((p for p in self.status()["peers"] if p["peer_id"] == host.peer_id), {})
+        declined = self.status()["leases"]["declined"]
+        refused = []
+        try:  # the given-up leases are someone else's now
+            self.submit(host, leases[0], self.sample(leases[0]))
+        except RemoteError as exc:
+            refused.append(str(exc))
+        ok = mine.get("open_leases") == 1 and mine.get("reliable") is False and bool(refused)
+        return (
+            f"5 leases taken: {mine.get('open_leases')} held; the first one refused: {refused[:1]}",
+            ok,
+            {"declined": declined},
+        )
+
+    def sybil(self, forges: list[Callable], groups: int, concurrency: int = 4) -> list[str]:
+        """Forged groups, each from a fresh identity (one lease of one group each; forgery k % len(forges) for the
+        k-th), `concurrency` identities at once, keeping up with the learner's versions: what the learner
+        answered each ("accepted: ..." or its refusal)."""
+        lock = threading.Lock()
+
+        def one(k: int) -> str:
+            host = Host().start()
+            try:
+                host.connect(self.addr)
+                if self.secret is not None:
+                    authenticate(host, self.addr, self.secret)
+                with lock:  # one engine: sync, lease and sample under the lock, submit concurrently
+                    if self.status()["version_published"] > self.version:
+                        self.sync()
+                    lease = self.lease(host)
+                    groups = forges[k % len(forges)](lease, self.sample(lease))
+                try:
+                    return f"accepted: {self.submit(host, lease, groups)}"
+                except RemoteError as exc:
+                    return str(exc)
+            finally:
+                host.stop()
+
+        with ThreadPoolExecutor(concurrency) as pool:
+            return list(pool.map(one, range(groups)))
+
     def _until_flagged(self, forge: Callable) -> tuple[str, bool, dict]:
         """Submit forgeries from one identity until the learner flags it (at most `tries` leases)."""
         host = self.fresh()
@@ -433,3 +534,20 @@ def weights_finite(adversary: Adversary) -> tuple[int, bool]:
     """Whether every weight of the newest published version is finite: (version, finite)."""
     version, weights = newest_weights(adversary)
     return version, all(np.isfinite(a).all() for a in weights.values())
+
+
+def hoard_leases(host: Host, learner_addr: str, stop: threading.Event, taken: list[int], every_s: float = 0.1) -> None:
+    """Ask for leases (16 groups at a time) every `every_s` seconds and return none, until `stop` is set (at most
+    3,000 requests): ids of the leases granted go to `taken`."""
+    host.connect(learner_addr)
+    learner = learner_addr.rsplit("/p2p/", 1)[-1]
+    for _ in range(3000):
+        if stop.is_set():
+            return
+        try:
+            reply = host.request(learner, LEASE, {"version": 0, "max_groups": 16}, timeout=10)
+            if "lease" in reply:
+                taken.append(reply["lease"]["id"])
+        except (RemoteError, PeerUnavailable):
+            pass
+        stop.wait(every_s)
