@@ -77,10 +77,18 @@ def node_main(argv: list[str]) -> None:
     )  # fmt: skip
     peer.join()
     say(ready=True, addr=host.addrs[0])
-    sys.stdin.readline()  # connect: every peer has joined by now
+    line = sys.stdin.readline().split()  # "connect N": every peer has joined; connect to the N others
+    others = int(line[1]) if len(line) > 1 else 0
     tick = time.perf_counter()
-    peer.join()  # learn the full peer list and connect to every peer (swarm mode), as workers that were
-    say(connected=True, connect_s=round(time.perf_counter() - tick, 2))  # in the swarm before a version are
+    for _ in range(120):  # learn the full peer list and connect to every peer (swarm mode), as workers that were
+        peer.join()  # in the swarm before a version are (the learner lists a peer once it dialled it back)
+        if star or peer.wait_for_peers(others, 1.0):
+            break
+    say(
+        connected=len(peer.peers) >= others or star,
+        peers=len(peer.peers),
+        connect_s=round(time.perf_counter() - tick, 2),
+    )
     sys.stdin.readline()  # go
     start, mono = time.perf_counter(), time.monotonic()
     manifest = peer.fetch_manifest()
@@ -123,7 +131,7 @@ def run_broadcast_bench(
             for _ in range(peers)
         ]
         for w in workers:  # peers connect to each other before the clock starts (joined swarm workers are)
-            w.stdin.write("connect\n")
+            w.stdin.write(f"connect {len(workers) - 1}\n")
             w.stdin.flush()
         connected = [json.loads(w.stdout.readline() or "{}") for w in workers]
         start = time.perf_counter()

@@ -77,6 +77,7 @@ class SwarmSide:
         self.service.mark_published(version, manifest.payload_size)
 
     def close(self) -> None:
+        self.seeder.close()  # stops the host that dials announced addresses back
         self.host.stop()
         self.journal.close()
 
@@ -99,7 +100,7 @@ def start_swarm(cfg: LearnerConfig, run: Run, resume: bool) -> SwarmSide:
         host.gate = auth.allows
         host.handle(AUTH, auth.on_auth, guarded=False)
         store = ChunkStore(spill_dir=run.run_dir / "chunks", memory_budget=swarm.chunk_memory_mb << 20)
-        seeder = Seeder(host, store)
+        seeder = Seeder(host, store, silence=swarm.worker_silence)
         publisher = Publisher(
             seeder, run_id=secrets.token_hex(8), full_every=swarm.full_every, dtype=swarm.wire_dtype,
             lora=cfg.model.lora_rank > 0, topk=swarm.wire_topk,

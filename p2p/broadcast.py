@@ -26,6 +26,9 @@ it. Chunk and have requests say which of a version's two forms they mean ("full"
 Protocols: /echo/manifest/1 (newest or given version; with "since", the manifests before it that rebuild
 it from that version, or else from the newest full snapshot, and the snapshots beside those deltas),
 /echo/chunk/1, /echo/have/1, /echo/join/1 (register with the learner, get the peer list).
+
+The peer list (who joined, checked and dialled back) is p2p.peer_list's: Seeder keeps its PeerRegistry, and
+BroadcastPeer dials the listed peers in the background.
 """
 
 from __future__ import annotations
@@ -35,13 +38,29 @@ import random
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from p2p.chunk_store import ChunkStore
 from p2p.codec import encode, sha256, split_chunks
 from p2p.host import BadRequest, Host, Misbehaviour, PeerUnavailable, RemoteError
 from p2p.manifest import Manifest
+from p2p.peer_list import (
+    DIAL_BACKLOG,
+    DIAL_RETRY,
+    DIAL_TIMEOUT,
+    DIAL_WORKERS,
+    MAX_ADDRS,
+    MAX_PEERS,
+    PEER_SILENCE,
+    BackgroundPool,
+    DialBack,
+    PeerRegistry,
+    checked_addr,
+    listed_addrs,
+)
 from p2p.versions import PolicyVersion
 
 log = logging.getLogger(__name__)
@@ -54,7 +73,6 @@ JOIN = "/echo/join/1"
 PENALTY_LIMIT = 3  # bad chunks after which a peer is no longer asked
 DEAD_FOR = 5.0  # seconds a peer that failed a request is skipped
 HAVE_REFRESH = 0.3  # seconds between have-map exchanges with each peer
-MAX_PEERS = 4096  # peers the learner's registry holds (peers are forgotten when they go silent)
 OWNER_GRACE = 2.0  # seconds a peer has to show it fetches a version before others take its learner share
 OWNER_SAID_NO = 2  # have-map answers "not fetching it" after which a peer's learner share is taken in its grace
 # chunk replies a node sends at once; more wait their turn. A chunk can be relayed only once all of it has
@@ -192,15 +210,36 @@ class ChunkServer:
 
 
 class Seeder(ChunkServer):
-    """The learner's side: holds whole versions and the registry of peers that joined."""
+    """The learner's side: holds whole versions and the registry of peers that joined (p2p.peer_list).
 
-    def __init__(self, host: Host, store: ChunkStore, upload_slots: int | None = UPLOAD_SLOTS) -> None:
+    `silence`: seconds without a request from a peer after which it leaves the registry (the learner's
+    swarm.worker_silence); `clock`: the time those are measured on (tests pass their own)."""
+
+    def __init__(
+        self,
+        host: Host,
+        store: ChunkStore,
+        upload_slots: int | None = UPLOAD_SLOTS,
+        silence: float = PEER_SILENCE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__(host, store, upload_slots)
         # on disk when the chain's store spills (only joiners and restarted workers ask for them), else in memory
         spill = store.spill_dir / "snapshots" if store.spill_dir is not None else None
         self.snapshots = ChunkStore(spill_dir=spill, memory_budget=0 if spill is not None else store.memory_budget)
-        self.peers: dict[str, list[str]] = {}  # peer id -> its multiaddrs
+        # a peer that leaves the registry leaves with its have-maps
+        self.registry = PeerRegistry(host.guard.banned_peers, super().forget, silence, clock)
+        host.watch_requests(self.registry.heard)
         host.handle(JOIN, self._on_join)
+
+    @property
+    def peers(self) -> dict[str, list[str]]:
+        """Peer id -> the addresses it announced (checked; status shows them)."""
+        return self.registry.peers
+
+    @property
+    def dial_back(self) -> DialBack:
+        return self.registry.dial_back
 
     def publish(self, pv: PolicyVersion, beside: PolicyVersion | None = None) -> None:
         """Add a version to the chain, and `beside` (its full snapshot, if made) to the snapshots."""
@@ -209,19 +248,14 @@ class Seeder(ChunkServer):
         self.store.add_version(pv)
 
     def forget(self, peer: str) -> None:
-        super().forget(peer)
-        self.peers.pop(peer, None)
+        self.registry.forget(peer)
+
+    def close(self) -> None:
+        """Stop dialling back (the probing host stops); the registry stays readable."""
+        self.registry.close()
 
     def _on_join(self, peer: str, msg: dict) -> dict:
-        addrs = msg.get("addrs")
-        if not isinstance(addrs, list) or not all(
-            isinstance(a, str) and a.startswith("/") and len(a) < 256 for a in addrs
-        ):
-            raise Misbehaviour("join needs the list of the peer's multiaddrs")
-        if peer not in self.peers and len(self.peers) >= MAX_PEERS:
-            raise BadRequest(f"the learner's peer list is full ({MAX_PEERS})")
-        self.peers[peer] = addrs[:8]
-        return {"peers": {p: a for p, a in self.peers.items() if p != peer}}
+        return {"peers": self.registry.join(peer, msg.get("addrs"))}
 
 
 class BroadcastPeer(ChunkServer):
@@ -250,25 +284,114 @@ class BroadcastPeer(ChunkServer):
         self._last_join = 0.0
         self.last_learner_chunk_at = 0.0
         self._fetch_started = 0.0
+        # peers are dialled in the background: `peers` is replaced, never changed in place, when one is reached
+        self._dials = BackgroundPool("dial", DIAL_WORKERS, DIAL_BACKLOG)
+        self._dialling: set[str] = set()  # peers being dialled or queued for it
+        self._retry_at: dict[str, float] = {}  # peer -> when a peer we could not reach may be dialled again
+        self._skipped: set[str] = set()  # peers whose entry was skipped and logged (once each)
+        self._peers_changed = threading.Condition()
 
-    def join(self, timeout: float = 10.0) -> None:
-        """Register with the learner and connect to the peers it knows."""
-        reply = self.host.request(self.learner_addr, JOIN, {"addrs": self.host.addrs}, timeout=timeout)
-        self.refresh_peers(reply.get("peers", {}))
+    def join(self, timeout: float = 10.0, learner: str | None = None) -> None:
+        """Register with the learner (at `learner`, an address or a peer id we are connected to; by default
+        the address we were given) and start dialling the peers it lists. Returns as soon as the learner
+        answered: the dials go on in the background (wait_for_peers, wait_dials), so that no listed peer,
+        however slow, holds up a joining worker."""
+        announce = [a for a in self.host.addrs if self._own_addr(a)][:MAX_ADDRS]
+        reply = self.host.request(learner or self.learner_addr, JOIN, {"addrs": announce}, timeout=timeout)
+        self.refresh_peers(reply.get("peers") if isinstance(reply, dict) else None)
 
-    def refresh_peers(self, peers: dict[str, list[str]]) -> None:
+    def _own_addr(self, addr: str) -> bool:
+        """Whether the learner accepts `addr` as one of ours (we announce only those: others cost a penalty)."""
+        try:
+            checked_addr(addr, self.host.peer_id)
+            return True
+        except Misbehaviour:
+            return False
+
+    def refresh_peers(self, peers: object) -> int:
+        """Start dialling, in the background, the listed peers we are not connected to: at most DIAL_BACKLOG
+        queued or in flight (the rest wait for the next refresh), DIAL_WORKERS at once, DIAL_TIMEOUT per
+        address. A peer that could not be reached is dialled again after DIAL_RETRY. Never raises on a bad
+        list or entry. Returns how many dials it started."""
         if not self.use_peers:
-            return
-        for peer, addrs in peers.items():
-            if peer == self.host.peer_id or peer in self.peers:
+            return 0
+        if not isinstance(peers, dict):
+            log.debug("the learner's peer list is a %s, not a map; ignored", type(peers).__name__)
+            return 0
+        now, started = time.monotonic(), 0
+        for peer, addrs in list(peers.items())[:MAX_PEERS]:
+            if not self._should_dial(peer, now):
                 continue
-            for addr in addrs:
+            with self._peers_changed:
+                self._dialling.add(peer)
+            if not self._dials.submit(partial(self._dial, peer, addrs)):
+                with self._peers_changed:
+                    self._dialling.discard(peer)
+                break  # as many dials as we allow are under way
+            started += 1
+        return started
+
+    def _should_dial(self, peer: object, now: float) -> bool:
+        return (
+            isinstance(peer, str)
+            and peer not in (self.host.peer_id, self.learner)
+            and peer not in self.peers
+            and peer not in self._dialling
+            and self._retry_at.get(peer, 0.0) <= now
+        )
+
+    def _dial(self, peer: str, addrs: object) -> None:
+        """Connect to a listed peer by the first of its addresses that answers (a background job)."""
+        reason, usable = "no address ending in its id", listed_addrs(peer, addrs)
+        try:
+            for addr in usable:
                 try:
-                    self.host.connect(addr, timeout=5)
-                    self.peers[peer] = addrs
-                    break
-                except PeerUnavailable:
+                    self.host.connect(addr, timeout=DIAL_TIMEOUT)
+                except Exception as exc:  # noqa: BLE001 - a bad entry is skipped, whatever is wrong with it
+                    reason = f"{type(exc).__name__}: {exc}"
                     continue
+                with self._peers_changed:
+                    self.peers = {**self.peers, peer: usable}
+                    self._retry_at.pop(peer, None)
+                return
+            self._skip(peer, reason)
+        finally:
+            with self._peers_changed:
+                self._dialling.discard(peer)
+                self._peers_changed.notify_all()
+
+    def _skip(self, peer: str, reason: str) -> None:
+        """A listed peer we could not reach: dialled again after DIAL_RETRY; logged once (at debug level)."""
+        with self._peers_changed:
+            now = time.monotonic()
+            if len(self._retry_at) >= MAX_PEERS:  # keep only the peers still waiting
+                self._retry_at = {p: t for p, t in self._retry_at.items() if t > now}
+            self._retry_at[peer] = now + DIAL_RETRY
+            if len(self._skipped) >= MAX_PEERS:
+                self._skipped.clear()
+            first = peer not in self._skipped
+            self._skipped.add(peer)
+        if first:
+            log.debug("listed peer %s skipped: %s", peer[-8:], reason[:200])
+
+    def wait_for_peers(self, n: int, timeout: float) -> bool:
+        """Wait until we are connected to at least `n` peers; whether that happened within `timeout` s."""
+        with self._peers_changed:
+            return self._peers_changed.wait_for(lambda: len(self.peers) >= n, timeout)
+
+    def wait_dials(self, timeout: float) -> bool:
+        """Wait until no dial is queued or in flight; whether that happened within `timeout` seconds."""
+        return self._dials.wait_idle(timeout)
+
+    @property
+    def dials_pending(self) -> int:
+        """Peers being dialled or queued for it."""
+        with self._peers_changed:
+            return len(self._dialling)
+
+    def close(self) -> None:
+        """Drop the queued dials and start no more (stop the host first: the running dials then fail at once)."""
+        self._dials.close()
 
     def fetch_manifest(self, version: int | None = None, timeout: float = 10.0) -> Manifest:
         """The learner's newest (or given) manifest, checked against the learner's key."""
@@ -545,9 +668,7 @@ class BroadcastPeer(ChunkServer):
         if time.monotonic() - self._last_join > 2.0:  # learn about peers that joined after us
             self._last_join = time.monotonic()
             try:
-                self.refresh_peers(
-                    self.host.request(self.learner, JOIN, {"addrs": self.host.addrs}, timeout=5)["peers"]
-                )
+                self.join(timeout=5, learner=self.learner)
             except (PeerUnavailable, RemoteError):
                 pass
 

@@ -23,6 +23,7 @@ its streams are reset unread.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -131,6 +132,7 @@ class Host:
         self._stop: trio.Event | None = None
         self.guard = PeerGuard(self.config.ban_after, self.config.ban_window, self.config.ban_seconds)
         self.gate: Callable[[str], bool] | None = None  # set: only peers it accepts reach guarded protocols
+        self._request_watchers: list[Callable[[str], None]] = []  # told of each request past the gate
         self._open_streams: dict[str, int] = {}  # peer -> requests being read or answered (trio thread only)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -198,8 +200,10 @@ class Host:
             raise PeerUnavailable("host is not running")
         try:
             return trio.from_thread.run(fn, *args, trio_token=self._token)
-        except trio.RunFinishedError:
-            raise PeerUnavailable("host has stopped") from None
+        except BaseException as exc:
+            if _stopped(exc):
+                raise PeerUnavailable("host has stopped") from None
+            raise
 
     def connect(self, addr: str, timeout: float = 10.0) -> str:
         """Dial a full multiaddr (ending in /p2p/PEER_ID); returns the peer id."""
@@ -227,6 +231,43 @@ class Host:
         except Exception as exc:  # noqa: BLE001 - timeouts, refused dials, failed handshakes
             raise PeerUnavailable(f"cannot reach {addr}: {type(exc).__name__}: {exc}") from None
         return info.peer_id.to_base58()
+
+    def dial_back(self, addr: str, timeout: float = 3.0) -> None:
+        """Dial exactly `addr` (ending in /p2p/PEER_ID; no other address known for that peer), check that the
+        far end proved it holds PEER_ID's key (the Noise handshake), and hang up: whether an address a peer
+        announced reaches that peer. Raises PeerUnavailable if it does not. Meant for a host of its own
+        (a connection this host already has to the peer would prove nothing about the address)."""
+        try:
+            target = multiaddr.Multiaddr(addr)
+            expected = ID.from_base58(target.value_for_protocol("p2p"))
+        except Exception as exc:  # noqa: BLE001
+            raise PeerUnavailable(f"{addr!r} is not a multiaddr ending in /p2p/PEER_ID ({exc})") from None
+
+        async def dial() -> None:
+            with trio.fail_after(timeout):
+                conn = await self._host.get_network().dial_addr(target, expected)
+            try:
+                if conn.muxed_conn.peer_id != expected:
+                    raise PeerUnavailable(f"{addr} is answered by {conn.muxed_conn.peer_id}")
+            finally:
+                with trio.move_on_after(timeout):
+                    await conn.close()
+                # forget what the dial taught the peerstore, or py-libp2p's auto-connector would redial a
+                # routable address to keep its connection count up
+                with contextlib.suppress(Exception):  # (it raises for a peer it does not hold)
+                    self._host.get_peerstore().clear_peerdata(expected)
+
+        try:
+            self._run(dial)
+        except PeerUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - timeouts, refused dials, failed handshakes, another peer
+            raise PeerUnavailable(f"cannot reach {addr}: {type(exc).__name__}: {exc}") from None
+
+    def watch_requests(self, watcher: Callable[[str], None]) -> None:
+        """Have `watcher(peer_id)` called for every request that passed the gate (before its handler runs),
+        e.g. to know which peers are alive. It runs on the network thread: it must be quick and never block."""
+        self._request_watchers.append(watcher)
 
     def connected_peers(self) -> list[str]:
         """Peer ids with an open connection (read in the trio thread: the table changes there)."""
@@ -306,6 +347,7 @@ class Host:
                     )
                     await stream.close()
                     return
+                self._tell_watchers(peer)
                 if slots is not None:
                     await slots.acquire()
                 try:  # the slot is held while the reply is sent: that is what it bounds
@@ -326,6 +368,14 @@ class Host:
                     self._open_streams.pop(peer, None)
 
         self._run_sync(self._host.set_stream_handler, TProtocol(protocol), on_stream)
+
+    def _tell_watchers(self, peer: str) -> None:
+        """Tell the request watchers that `peer` sent a request (a watcher's failure is its own: logged)."""
+        for watcher in self._request_watchers:
+            try:
+                watcher(peer)
+            except Exception:  # noqa: BLE001 - a bug in a watcher must not cost the peer its request
+                log.exception("request watcher failed on a request from %s", peer[-8:])
 
     def _answer(self, protocol: str, handler: Handler, peer: str, message: dict[str, Any]) -> dict[str, Any]:
         """Run a handler (in a worker thread): its reply, or the error reply its exception calls for."""
@@ -376,6 +426,14 @@ class Host:
             parts.append(data)
             got += len(data)
         return b"".join(parts)
+
+
+def _stopped(exc: BaseException) -> bool:
+    """Whether a call into the trio thread ended because the host stopped under it: the run had finished, or
+    the call was cancelled by the shutdown (alone, or in a group of such cancellations from a nursery)."""
+    if isinstance(exc, trio.RunFinishedError | trio.Cancelled):
+        return True
+    return isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is None
 
 
 async def _close_quietly(stream: Any) -> None:

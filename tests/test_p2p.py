@@ -240,15 +240,24 @@ def test_manifest_signed_by_another_key_is_rejected():
         Manifest.from_dict({"version": "x"})
 
 
+def join_swarm(seeder, *peers):
+    """Join each peer, let the learner dial their addresses back, then join again and wait for the dials:
+    each peer is then connected to every other one that joined (p2p.peer_list: both happen in the background)."""
+    for p in peers:
+        p.join()
+    assert seeder.dial_back.wait_idle(60)
+    for p in peers:
+        p.join()
+    assert all(p.wait_dials(60) for p in peers)
+
+
 def test_three_peers_fetch_by_peer_assisted_broadcast(hosts):
     learner = hosts()
     pv, raw = random_version(learner.key, learner.peer_id, mb=6)
-    Seeder(learner, ChunkStore()).publish(pv)
+    seeder = Seeder(learner, ChunkStore())
+    seeder.publish(pv)
     peers = [BroadcastPeer(hosts(), ChunkStore(), learner.addrs[0]) for _ in range(3)]
-    for p in peers:
-        p.join()
-    for p in peers:
-        p.join()
+    join_swarm(seeder, *peers)
     results = {}
 
     def fetch(p):
@@ -268,10 +277,10 @@ def test_a_peer_that_skips_a_version_does_not_hold_up_the_others(hosts, monkeypa
     monkeypatch.setattr(p2p.broadcast, "OWNER_GRACE", 1e6)  # without the answers the fetch would wait forever
     learner = hosts()
     pv, raw = random_version(learner.key, learner.peer_id, mb=4)
-    Seeder(learner, ChunkStore()).publish(pv)
+    seeder = Seeder(learner, ChunkStore())
+    seeder.publish(pv)
     fetching, skipping = (BroadcastPeer(hosts(), ChunkStore(), learner.addrs[0]) for _ in range(2))
-    for p in (skipping, fetching):
-        p.join()
+    join_swarm(seeder, skipping, fetching)
     assert skipping.host.peer_id in fetching.peers
     m = fetching.fetch_manifest()
     assert rebuild_raw(m, fetching.fetch(m, timeout=60)) == raw
@@ -320,7 +329,7 @@ def test_followers_fetch_only_deltas_and_derive_the_snapshots_that_joiners_fetch
     assert follower.store.manifests[3].chunks == snapshots[3].chunks and sorted(follower.store.manifests) == [3, 4]
 
     joiner = BroadcastPeer(hosts(), ChunkStore(), learner.addrs[0])
-    joiner.join()
+    join_swarm(seeder, joiner)
     assert follower.host.peer_id in joiner.peers
     joined, joined_raw = joiner.sync(None, timeout=60)
     assert joined.version == 4 and joined_raw == raw
@@ -347,14 +356,15 @@ class TamperingServer(ChunkServer):
 def test_tampered_chunk_is_detected_and_fetched_elsewhere(hosts):
     learner = hosts()
     pv, raw = random_version(learner.key, learner.peer_id, mb=3)
-    Seeder(learner, ChunkStore()).publish(pv)
+    seeder = Seeder(learner, ChunkStore())
+    seeder.publish(pv)
     evil_host = hosts()
     evil_store = ChunkStore()
     evil_store.add_version(pv)
     TamperingServer(evil_host, evil_store)
     evil_host.request(learner.addrs[0], "/echo/join/1", {"addrs": evil_host.addrs})
     honest = BroadcastPeer(hosts(), ChunkStore(), learner.addrs[0])
-    honest.join()
+    join_swarm(seeder, honest)
     assert evil_host.peer_id in honest.peers
     honest._exchange_have_maps(pv.manifest, set())  # learns that the evil peer holds everything
     m = honest.fetch_manifest()
@@ -377,7 +387,7 @@ def test_peer_killed_mid_transfer_does_not_stop_the_others():
         seeder, info = spawn("seeder", "--size-mb", "8", "--up", "16")
         peers = [spawn("peer", "--learner", info["addr"], "--up", "16")[0] for _ in range(4)]
         for p in peers:
-            p.stdin.write("connect\n")
+            p.stdin.write(f"connect {len(peers) - 1}\n")
             p.stdin.flush()
         assert all(json.loads(p.stdout.readline())["connected"] for p in peers)
         for p in peers:

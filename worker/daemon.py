@@ -140,6 +140,7 @@ class WorkerDaemon:
             if self.fetcher is not None:
                 self.fetcher.stop()
             self.host.stop()
+            self.peer.close()  # after the host: the dials under way fail at once
             stats = self.peer.stats
             log.info(
                 "worker left after %d leases; fetched %.1f MB from the learner and %.1f MB from peers, "
@@ -176,11 +177,11 @@ class WorkerDaemon:
         self.stop.wait(wait)
 
     def _join(self) -> None:
-        """Authenticate, join the swarm, read the model spec; a new run gets a new fetcher."""
+        """Authenticate, read the model spec, join the swarm; a new run gets a new fetcher."""
         self.state = "joining"
         authenticate(self.host, self.cfg.learner, self.secret)
-        self.peer.join()
         reply = SpecReply.from_wire(self._request(SPEC, {}))
+        self._join_swarm()
         if reply.group_size > self.cfg.max_batch:
             raise ConfigError(
                 f"worker.max_batch {self.cfg.max_batch} is below the learner's group size {reply.group_size}: "
@@ -199,6 +200,15 @@ class WorkerDaemon:
             ).start()
         self.episodes = None if reply.env is None else episode_rules(reply.env, self.cfg.allow_env)
         self.spec = reply.spec
+
+    def _join_swarm(self) -> None:
+        """Register with the learner's peer list. Peer discovery never holds up work: the listed peers are
+        dialled in the background, and a join the learner refuses (its list is full) or that fails costs only
+        peer-assisted fetching until the fetcher joins again (it does while it fetches)."""
+        try:
+            self.peer.join()
+        except (PeerUnavailable, RemoteError) as exc:
+            log.warning("not on the swarm's peer list for now (%s); fetching from the learner", exc)
 
     def _beat(self) -> int:
         """One heartbeat (the fetcher's thread sends them): the learner's newest version."""
