@@ -109,11 +109,15 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def evaluations(rows: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
     """(version, held-out evaluation) of a run in order; the initial policy's is version 0. Co-located, a
-    step's evaluation is of its own version; in a swarm, of the version the evaluating worker held."""
-    points = [(0, r["eval_initial"]) for r in rows if "eval_initial" in r][:1]
+    step's evaluation is of its own version; in a swarm, of the version the evaluating workers held. A swarm's
+    figure revoked later (an evaluator was flagged: learner.orchestrate.evaluations) is left out."""
+    revoked = {e["figure"] for r in rows for e in r.get("eval_revoked", [])}
+    kept = [e for r in rows if "eval_initial" in r for e in [r["eval_initial"]] if e.get("figure") not in revoked]
+    points = [(0, e) for e in kept[:1]]
     for r in rows:
         for e in [*r.get("eval_earlier", []), *([r["eval"]] if "eval" in r else [])]:
-            points.append((e.get("version", r["step"]), e))
+            if "figure" not in e or e["figure"] not in revoked:
+                points.append((e.get("version", r["step"]), e))
     return points
 
 

@@ -41,10 +41,10 @@ def evaluation_line(evaluation: dict) -> str:
     """The newest held-out evaluation (learner.orchestrate.evaluations) and what is still to come."""
     from echo_cli.live import held_out
 
-    last, leased = evaluation.get("last"), evaluation.get("leased")
+    last, leases = evaluation.get("last"), evaluation.get("leases") or []
     line = "none yet" if last is None else f"v{last['version']}: {held_out(last)} ({last['prompts']} prompts)"
-    if leased:
-        line += f"; v{leased['version']} being evaluated by {leased['worker']}"
+    if leases:
+        line += f"; v{leases[0]['version']} being evaluated by {', '.join(x['worker'] for x in leases)}"
     elif evaluation.get("pending"):
         line += f"; waiting for a worker holding v{evaluation['pending'][0]}"
     return line

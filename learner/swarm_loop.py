@@ -158,7 +158,10 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
                 "stale_groups": stale,
                 "replayed": step in replay,
             }
-            for result in evals.drain() if evals is not None else []:  # finished during this step, oldest first
+            results, revoked = evals.drain() if evals is not None else ([], [])  # during this step, oldest first
+            if revoked:  # figures whose evaluator was flagged since: reports leave them out (echo_cli.report)
+                record["eval_revoked"] = revoked
+            for result in results:
                 if result["version"] == 0:
                     record["eval_initial"] = result
                 elif "eval" in record:  # two in one step (a slow worker): the newest is "eval", none is lost

@@ -16,3 +16,8 @@ def text_hash(completion: str, answer: object) -> float:
     import hashlib
 
     return int.from_bytes(hashlib.sha256(completion.encode()).digest()[:8], "little") / 2**64
+
+
+def starts_with_a(completion: str, answer: object) -> float:
+    """1 if the completion starts with 'A': a random model almost never does, a forger always can."""
+    return 1.0 if completion.startswith("A") else 0.0

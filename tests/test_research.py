@@ -152,7 +152,7 @@ def test_eval_names_a_missing_checkpoint(tmp_path):
 
 
 def test_a_swarm_evaluates_on_workers_as_echo_rl_eval_does(swarm, tmp_path):
-    """--eval-every in a swarm: the held-out set goes to a worker as one lease (verified like any other), the
+    """--eval-every in a swarm: the held-out set goes to both workers as one lease each (every group verified), the
     initial, every 2nd and the last version are evaluated, and the figures of the last one equal
     `echo-rl eval` on its checkpoint: the same prompts and draws, sampled by llama.cpp from the same weights."""
     train = write_jsonl(tmp_path / "train.jsonl", [f"Say {i}." for i in range(5)])
@@ -160,7 +160,7 @@ def test_a_swarm_evaluates_on_workers_as_echo_rl_eval_does(swarm, tmp_path):
     learner = swarm.learner(
         "--steps", "4", "--task", f"jsonl:{train}", "--task-args", "reward=tests.rewards:starts_ascii",
         "--eval-every", "2", "--eval-task", f"jsonl:{held_out}", "--eval-task-args", "reward=tests.rewards:text_hash",
-        "--eval-prompts", "8", "--eval-samples", "3", "--verify-first", "1000",  # every group of a new worker: 50%
+        "--eval-prompts", "8", "--eval-samples", "3", "--verify-first", "1000",  # every training group verified too
     )  # fmt: skip
     swarm.worker("w1")
     swarm.worker("w2")
@@ -175,6 +175,9 @@ def test_a_swarm_evaluates_on_workers_as_echo_rl_eval_does(swarm, tmp_path):
     standalone = json.loads(res.stdout)
     assert {k: standalone[k] for k in EVAL_KEYS} == {k: rows[-1]["eval"][k] for k in EVAL_KEYS}
     assert rows[-1]["groups_dropped_flagged"] == 0 and "flagged" not in swarm.log("learner")
+    verdicts = [v for r in rows for e in [r.get("eval"), r.get("eval_initial")] if e for v in e["verification"]]
+    assert verdicts and all(v["checked"] == v["groups"] == 16 for v in verdicts)  # every group of every answer
+    assert len(rows[-1]["eval"]["verification"]) == 2  # both workers reach the last version: both answer
     from echo_cli.status import evaluation_line
 
     done = {"pending": [], "leased": None, "issued": 3, "expired": 0, "last": rows[-1]["eval"]}

@@ -105,12 +105,13 @@ class LearnerService:
             cfg, spec.vocab_size, self.prompts, self.versions, self.leases, verifier, journal, self.buffer,
             self.scheduler, self._sched_lock,
         )  # fmt: skip
+        self.workers: dict[str, WorkerRecord] = {}
         self.evals: EvalBoard | None = None
         if cfg.eval.eval_every:  # a held-out evaluation is one lease, as long as that many training leases
             work = cfg.eval.eval_prompts * (1 + cfg.eval.eval_samples) / (swarm.groups_per_lease * grpo.group_size)
             evaluator = Evaluator.for_run(cfg, policy, eval_task(cfg, task))
-            self.evals = self.intake.evals = EvalBoard(evaluator, verifier, swarm.lease_timeout * max(1.0, work))
-        self.workers: dict[str, WorkerRecord] = {}
+            timeout = swarm.lease_timeout * max(1.0, work)
+            self.evals = self.intake.evals = EvalBoard(evaluator, verifier, timeout, self.workers)
         self.gathered = cfg.swarm.min_workers <= 1  # swarm.min_workers hold a version: leases may start
         self.declined: dict[str, int] = {}  # lease requests not granted, by admission's reason
         self.step_started: float | None = None  # when the step under way began (None: waiting for a batch)
@@ -127,8 +128,7 @@ class LearnerService:
     # -- moved on by the training loop ---------------------------------------------------------------
 
     def advance(self, version: int) -> None:
-        """The learner now holds `version` and starts the step that makes it: leases from now on are
-        measured against it."""
+        """The learner now holds `version` and starts the step that makes it: leases are measured against it."""
         self.versions.trained = version
         self.step_started = time.monotonic()
 

@@ -185,6 +185,8 @@ class RolloutIntake:
         self.leases.requeue_worker(peer)  # none of its leases will be accepted any more
         dropped = self.buffer.drop_worker(peer)
         self.journal.drop([g.group_id for g in dropped])
+        if self.evals is not None:  # the held-out figures it answered are recomputed without it
+            self.evals.revoke(peer, self.verifier.flagged[peer])
         log.warning(
             "worker %s flagged: %s; %d of its groups dropped from the buffer",
             peer[-8:], self.verifier.flagged[peer], len(dropped),
@@ -192,24 +194,22 @@ class RolloutIntake:
         raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
 
     def _take_evaluation(self, worker: WorkerRecord, msg: dict) -> RolloutReply:
-        """An evaluation lease's completions (learner.orchestrate.evaluations), verified like training groups."""
+        """An evaluation lease's completions (learner.orchestrate.evaluations): every group verified."""
         assert self.evals is not None
         peer = worker.peer_id
         try:
             max_turns = self.cfg.env.max_turns if self.episodes else 0
-            result, checked = self.evals.submit(peer, msg, self.vocab_size, completion_tokens(self.cfg), max_turns)
+            verdict, figure = self.evals.submit(peer, msg, self.vocab_size, completion_tokens(self.cfg), max_turns)
         except (MessageError, BadRequest, Misbehaviour):
             worker.refused += 1
             if peer in self.verifier.flagged:
                 self._drop_flagged(peer)
             raise
-        self.verifier.accepted(peer, checked)
-        log.info(
-            "held-out evaluation of v%d by %s: accuracy %.3f, pass@%d %.3f (%d prompts, %.0fs)",
-            result["version"], peer[-8:], result["accuracy"], result["k"], result["pass_at_k"], result["prompts"],
-            result["seconds"],
-        )  # fmt: skip
-        return RolloutReply(2 * result["prompts"])
+        self.verifier.accepted(peer, verdict["checked"])
+        if figure is None:
+            log.info("held-out answer from %s verified (%d groups); the figure waits for a second evaluator",
+                     peer[-8:], verdict["checked"])  # fmt: skip
+        return RolloutReply(verdict["groups"])
 
 
 def completion_tokens(cfg: LearnerConfig) -> int:

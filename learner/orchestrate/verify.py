@@ -312,6 +312,19 @@ class RolloutVerifier:
                 )
         return gap
 
+    def doubt(self, replay: Replay | None = None, greedy_gap: float | None = None) -> float:
+        """How close a verified group came to being flagged: its largest measure over that measure's tolerance
+        (0: replayed exactly; above 1 it would have been flagged). Evaluation prefers the closer of two answers."""
+        if greedy_gap is not None:
+            return greedy_gap / GREEDY_GAP
+        if replay is None:
+            return 0.0
+        return max(
+            replay.divergence / max(self.tolerance, 1e-9),
+            replay.draw_miss / max(self.draw_tolerance, 1e-9),
+            replay.off_draw / max(self.off_draw_tolerance, 1e-9),
+        )
+
     def flag(self, worker: str, why: str) -> None:
         """Flag `worker` for a forgery found elsewhere (an episode its environment does not replay)."""
         with self._lock:
