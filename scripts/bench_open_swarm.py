@@ -1,11 +1,11 @@
 """Training speed with and without a lease hoarder (issue: one identity must not stall training).
 
-    .venv/bin/python scripts/bench_open_swarm.py [--steps 40] [--hoarders 1] [--json]
+    .venv/bin/python scripts/bench_open_swarm.py [--steps 40] [--hoarders 1] [--rounds 2] [--json]
 
-Runs the same tiny-model swarm (a learner and one honest llama.cpp worker, real processes on loopback) twice,
-side by side in one invocation: alone, and with `--hoarders` identities that ask for a lease every 0.1 s and
-return none (tests/chaos/adversary.hoard_leases). Prints the learner's steps per second over the last
-`--steps` - 5 steps of each run (the first five warm up) and their ratio.
+Runs the same tiny-model swarm (a learner and one honest llama.cpp worker, real processes on loopback) side by
+side in one invocation, alternately alone and with `--hoarders` identities that ask for a lease every 0.1 s
+and return none (tests/chaos/adversary.hoard_leases), `--rounds` times each. Prints the learner's steps per
+second over the last `--steps` - 5 steps of each run (the first five warm up) and the ratio of the means.
 """
 
 from __future__ import annotations
@@ -57,14 +57,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="steps per run (>= 10)")
     parser.add_argument("--hoarders", type=int, default=1, help="hoarding identities in the second run")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each kind, alternated")
     parser.add_argument("--json", action="store_true", help="one JSON object")
     args = parser.parse_args()
-    if args.steps < 10 or args.hoarders < 1:
-        raise SystemExit("--steps must be >= 10 and --hoarders >= 1")
-    alone = steps_per_s(args.steps, 0)
-    hoarded = steps_per_s(args.steps, args.hoarders)
-    result = {"steps": args.steps, "hoarders": args.hoarders, "steps_per_s_alone": round(alone, 3),
-              "steps_per_s_with_hoarders": round(hoarded, 3), "ratio": round(hoarded / alone, 3)}  # fmt: skip
+    if args.steps < 10 or args.hoarders < 1 or args.rounds < 1:
+        raise SystemExit("--steps must be >= 10, --hoarders >= 1 and --rounds >= 1")
+    runs: dict[int, list[float]] = {0: [], args.hoarders: []}
+    for _ in range(args.rounds):
+        for hoarders in runs:
+            runs[hoarders].append(steps_per_s(args.steps, hoarders))
+    alone, hoarded = (sum(r) / len(r) for r in runs.values())
+    result = {"steps": args.steps, "hoarders": args.hoarders, "rounds": args.rounds,
+              "steps_per_s_alone": [round(x, 3) for x in runs[0]],
+              "steps_per_s_with_hoarders": [round(x, 3) for x in runs[args.hoarders]],
+              "ratio": round(hoarded / alone, 3)}  # fmt: skip
     if args.json:
         print(json.dumps(result))
     else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 import struct
 import threading
 import time
@@ -245,6 +246,16 @@ class Adversary:
                 lambda: self._request(JOIN, {"addrs": ["not an address"] * 3}),
             ),
             (
+                "join announcing an address without /p2p/ (it made every later joiner exit)",
+                "refused, penalty",
+                lambda: self._request(JOIN, {"addrs": [self.fresh().addrs[0].split("/p2p/")[0]]}),
+            ),
+            (
+                "join announcing 8 well-formed addresses nobody answers on",
+                "accepted but never handed to a later joiner (the learner's dial-back fails)",
+                self._unreachable_join,
+            ),
+            (
                 "rollout of the wrong types",
                 "refused as malformed, penalty",
                 lambda: self._request(ROLLOUT, {"lease": "x", "version": 0, "groups": 1}),
@@ -379,6 +390,18 @@ class Adversary:
         shown = [p["version"] for p in status["peers"]]
         sane = all(v <= status["version_published"] for v in shown)
         return f"{refused}; status shows versions {sorted(set(shown))}", sane, {}
+
+    def _unreachable_join(self) -> tuple[str, bool, dict]:
+        host, later = self.fresh(), self.fresh()
+        closed = []
+        for _ in range(8):  # loopback ports nothing listens on: each dial-back is refused
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                closed.append(s.getsockname()[1])
+        addrs = [f"/ip4/127.0.0.1/tcp/{port}/p2p/{host.peer_id}" for port in closed]
+        host.request(self.learner, JOIN, {"addrs": addrs}, timeout=15)
+        listed = later.request(self.learner, JOIN, {"addrs": later.addrs}, timeout=15).get("peers", {})
+        return f"handed to a later joiner: {host.peer_id in listed}", host.peer_id not in listed, {}
 
     def _forged(self, forge: Callable, refusal: str) -> tuple[str, bool, dict]:
         host = self.fresh()
