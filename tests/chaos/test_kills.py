@@ -67,10 +67,12 @@ def test_learner_killed_and_resumed_loses_no_accepted_rollout_or_step(swarm):
 
 
 def test_killed_worker_lease_is_reissued_and_late_joiner_catches_up(swarm):
-    # the transformers engine is slow enough on long completions that a lease takes about a second
+    # the transformers engine is slow enough on long completions that a lease takes about a second. One
+    # thread each: three processes on CI's two cores, and llama.cpp's threads spin while they wait for each
+    # other, so two of them beside a busy transformers worker made a lease take a minute (every one late)
     learner = swarm.learner("--steps", "100000", "--lease-timeout", "4", "--max-new-tokens", "200")
-    victim = swarm.worker("victim", "--engine", "transformers", "--max-groups", "2", "-v")
-    swarm.worker("steady", "--engine", "transformers", "--max-groups", "1")
+    victim = swarm.worker("victim", "--engine", "transformers", "--max-groups", "2", "--threads", "1", "-v")
+    swarm.worker("steady", "--engine", "transformers", "--max-groups", "1", "--threads", "1")
     deadline = time.monotonic() + 120
     while "lease " not in swarm.log("victim"):
         assert time.monotonic() < deadline and victim.poll() is None, swarm.log("victim")[-2000:]
@@ -80,7 +82,7 @@ def test_killed_worker_lease_is_reissued_and_late_joiner_catches_up(swarm):
         assert time.monotonic() < deadline and learner.poll() is None, swarm.log("learner")[-2000:]
         time.sleep(0.2)
     joined_at = len(swarm.metrics())  # training has begun
-    swarm.worker("late")
+    swarm.worker("late", "--threads", "1")
 
     def late_versions() -> list[int]:
         lines = swarm.log("late").splitlines()
