@@ -83,6 +83,8 @@ def render(doc: dict) -> Group:
         active = p.get("active", True)
         if not active:
             notes.append(f"{p['peer_id'][-8:]}: {p.get('activity', '')}")
+        if p.get("addr") and p.get("listed") is False:
+            notes.append(f"{p['peer_id'][-8:]}: not reachable from the learner (behind a NAT?); peers cannot dial it")
         if p.get("flagged"):
             notes.append(f"{p['peer_id'][-8:]} flagged: {p['flagged']}")
         peers.add_row(

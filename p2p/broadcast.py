@@ -237,6 +237,10 @@ class Seeder(ChunkServer):
         """Peer id -> the addresses it announced (checked; status shows them)."""
         return self.registry.peers
 
+    def listed(self, peer: str) -> list[str]:
+        """The addresses of `peer` handed to joiners: those the learner's dial-back reached."""
+        return self.registry.listed(peer)
+
     @property
     def dial_back(self) -> DialBack:
         return self.registry.dial_back

@@ -31,11 +31,14 @@ MAX_ADDRS = 8  # addresses one peer may announce
 MAX_ADDR_CHARS = 255  # characters in one announced address
 ADDR_HOSTS = ("ip4", "ip6", "dns", "dns4", "dns6")  # then /tcp/PORT: the one transport hosts speak (p2p.host)
 PEER_SILENCE = 30.0  # seconds without a request after which a peer leaves the learner's list (swarm.worker_silence)
-PROBE_TIMEOUT = 3.0  # seconds the learner's dial-back of one announced address may take
+# A libp2p connection takes about 6 round trips (TCP, multistream, noise, yamux): 1.2 s at 200 ms, 1.8 s when
+# a packet of it is lost (tests/netlab.py, docs/benchmarks.md); peers 200 ms from each other on a busy CPU
+# need more. A silent address holds one of a few background slots this long, never a join or a lease.
+PROBE_TIMEOUT = 6.0  # seconds the learner's dial-back of one announced address may take
 PROBE_WORKERS = 4  # dial-backs at once
 PROBE_BACKLOG = 64  # dial-backs queued or running; a join finding it full is checked at its next re-join
 PROBE_RETRY = 30.0  # seconds before an address whose dial-back failed is dialled back again
-DIAL_TIMEOUT = 2.0  # seconds a worker gives one listed address of a peer
+DIAL_TIMEOUT = 6.0  # seconds a worker gives one listed address of a peer (PROBE_TIMEOUT)
 DIAL_WORKERS = 4  # a worker's dials at once
 DIAL_BACKLOG = 16  # peers a worker is dialling or about to; the rest of a list waits for the next refresh
 DIAL_RETRY = 30.0  # seconds before a worker dials a listed peer it could not reach again
@@ -258,6 +261,12 @@ class PeerRegistry:
                     break
                 entry.probing.add(addr)
         return listed
+
+    def listed(self, peer: str) -> list[str]:
+        """The addresses of `peer` that later joiners are given (those its dial-back reached)."""
+        with self._lock:
+            entry = self._registry.get(peer)
+            return entry.listed() if entry is not None else []
 
     def heard(self, peer: str) -> None:
         """A request from `peer` passed the gate: it is alive (the host's network thread: no lock, no wait)."""

@@ -30,9 +30,10 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -x "$VENV/bin/echo-rl
     exit 0
 fi
 
-# System packages: a compiler and cmake for llama.cpp, libgmp-dev for py-libp2p's fastecdsa.
+# System packages: a compiler and cmake for llama.cpp, libgmp-dev for py-libp2p's fastecdsa, iproute2 and
+# iptables for the tests that build a NAT router in network namespaces (tests/netlab.py).
 missing=()
-for pkg in gcc g++ cmake libgmp-dev; do
+for pkg in gcc g++ cmake libgmp-dev iproute2 iptables; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -20,22 +21,23 @@ class Swarm:
         self.procs: list[subprocess.Popen] = []
         self.run_dir = tmp_path / "run"
 
-    def spawn(self, name: str, *args: str, ranks: int = 1) -> subprocess.Popen:
+    def spawn(self, name: str, *args: str, ranks: int = 1, within: Sequence[str] = ()) -> subprocess.Popen:
+        """`within`: a command the process runs under (tests.netlab: a network namespace)."""
         log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
         env = {**os.environ, "COLUMNS": "200"}
-        launch = [sys.executable]
+        launch = [*within, sys.executable]
         if ranks > 1:  # data-parallel learner: torchrun starts `ranks` processes
             launch += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
         proc = subprocess.Popen([*launch, "-m", "echo_cli", *args], stdout=log, stderr=log, cwd=ROOT, env=env)
         self.procs.append(proc)
         return proc
 
-    def learner(self, *args: str, ranks: int = 1) -> subprocess.Popen:
+    def learner(self, *args: str, ranks: int = 1, within: Sequence[str] = ()) -> subprocess.Popen:
         base = ["learner", "start", "--model", "tiny", "--run-dir", str(self.run_dir), "--prompts-per-step", "2"]
         base += ["--group-size", "4", "--max-new-tokens", "16", "--checkpoint-every", "1000"]
         addr_file = self.run_dir / "learner.addr"
         before = _mtime(addr_file)  # a resumed run's previous address is not a sign that this start is ready
-        proc = self.spawn("learner", *base, *args, ranks=ranks)
+        proc = self.spawn("learner", *base, *args, ranks=ranks, within=within)
         deadline = time.monotonic() + 120
         while _mtime(addr_file) in (None, before):
             assert proc.poll() is None, self.log("learner")
@@ -44,10 +46,10 @@ class Swarm:
         self.addr = addr_file.read_text().strip()
         return proc
 
-    def worker(self, name: str, *args: str) -> subprocess.Popen:
+    def worker(self, name: str, *args: str, within: Sequence[str] = ()) -> subprocess.Popen:
         return self.spawn(
             name, "worker", "join", "--learner", self.addr, "--identity", str(self.tmp / f"{name}.key"),
-            "--work-dir", str(self.tmp / name), *args,
+            "--work-dir", str(self.tmp / name), *args, within=within,
         )  # fmt: skip
 
     def log(self, name: str) -> str:

@@ -123,7 +123,7 @@ def test_bad_announcements_are_refused_with_a_penalty_and_never_listed(hosts, se
 
     assert listed(honest, learner) == {}  # an honest worker on 127.0.0.1 passes the dial-back
     assert seeder.dial_back.wait_idle(WAIT)
-    assert listed(later, learner) == {honest.peer_id: [honest.addrs[0]]}
+    assert listed(later, learner) == {honest.peer_id: [honest.addrs[0]]} and seeder.listed(honest.peer_id)
     assert learner.guard.counts.get("misbehaviour", 0) == len(bad)  # honest joins cost nothing
 
 
@@ -154,7 +154,7 @@ def test_silent_addresses_are_dialled_back_in_the_background_and_never_handed_ou
     later.join()
     assert later.wait_dials(WAIT)
     assert later.peers == {} and not [a for a in dialled if attacker.peer_id in a]
-    assert seeder.peers[attacker.peer_id] == addrs  # (announced, for status; never listed)
+    assert seeder.peers[attacker.peer_id] == addrs and seeder.listed(attacker.peer_id) == []  # announced, not listed
     assert later.host.peer_id in seeder.peers
 
 

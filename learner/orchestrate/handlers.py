@@ -316,7 +316,7 @@ class LearnerService:
             peers.append(
                 {
                     "peer_id": w.peer_id,
-                    "addr": addrs[0] if addrs else None,
+                    "addr": addrs[0] if addrs else None, "listed": bool(self.seeder.listed(w.peer_id)),
                     "role": "worker",
                     **w.row(self.versions.trained, now, active),
                     "activity": reason,

@@ -1,0 +1,85 @@
+"""Outside loopback: a worker at home, behind a NAT router, on a link with 200 ms round trips and 1% loss
+(tests/netlab.py), joins a learner and a public worker on the "internet" namespace. Real processes, real
+libp2p, real llama.cpp on the tiny model.
+
+What the join list promises there (p2p.peer_list): the home worker's announced address is private, so the
+learner's dial-back fails and the address is never handed to anyone; the public worker's address passes
+and is listed; the home worker still gets the spec, fetches versions and has its rollouts accepted, and it
+dials the listed public worker out through the NAT and fetches chunks from it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from p2p.identity import load_identity, peer_id_of
+from tests import netlab
+from tests.chaos.test_kills import wait_for
+from tests.swarm import ROOT
+
+WAIT = 300.0  # seconds any wait below may take on a loaded machine before the test fails
+
+
+@pytest.fixture
+def lab():
+    why = netlab.missing()
+    if why is not None:
+        pytest.skip(why)
+    built = netlab.Netlab(netlab.Shape(delay_ms=100.0, loss=0.01, rate=2e6))
+    yield built
+    built.close()
+
+
+def status(lab: netlab.Netlab, learner: str) -> dict:
+    res = subprocess.run(
+        [*lab.exec_prefix(lab.inet), sys.executable, "-m", "echo_cli", "status", "--learner", learner, "--json"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_a_worker_behind_nat_on_a_lossy_link_trains_and_its_private_address_is_never_listed(swarm, lab):
+    # the public worker ranks first, so chunk 0 of each version is its share and the home worker asks it for
+    # that chunk (p2p.broadcast: each chunk leaves the learner once)
+    home_id = peer_id_of(load_identity(swarm.tmp / "home.key"))
+    while peer_id_of(load_identity(swarm.tmp / "public.key")) > home_id:
+        (swarm.tmp / "public.key").unlink()
+    public_id = peer_id_of(load_identity(swarm.tmp / "public.key"))
+
+    inet, home = lab.exec_prefix(lab.inet), lab.exec_prefix(lab.home)
+    listen = f"/ip4/{netlab.INET_IP}/tcp/0"
+    # 32 groups a step and S = 4: the home worker needs seconds to fetch and load a version over its link
+    # on a busy CPU, while the public worker alone would have the learner step three times a second (a
+    # worker always further behind than S versions never contributes)
+    learner = swarm.learner(
+        "--steps", "100000", "--listen", listen, "--prompts-per-step", "32", "--staleness", "4", "-v", within=inet
+    )
+    assert swarm.addr.startswith(f"/ip4/{netlab.INET_IP}/tcp/")
+    public = swarm.worker("public", "--listen", listen, "--max-groups", "1", "--threads", "1", within=inet)
+    home_worker = swarm.worker(
+        "home", "--listen", f"/ip4/{netlab.HOME_IP}/tcp/0", "--max-groups", "1", "--threads", "1", "-v", within=home
+    )
+    procs = [("learner", learner), ("public", public), ("home", home_worker)]
+
+    def accepted(peer: str) -> int:
+        path = swarm.run_dir / "metrics.jsonl"
+        if not path.exists() or not path.read_text().strip():
+            return 0
+        return swarm.metrics()[-1]["workers"].get(peer[-8:], {}).get("groups_accepted", 0)  # keyed by short id
+
+    wait_for(lambda: accepted(home_id) > 0 and accepted(public_id) > 0, WAIT, "both workers' rollouts", procs)
+    # the learner tried the home worker's address and could not reach it (no route into the home network)
+    wait_for(lambda: f"dial-back of /ip4/{netlab.HOME_IP}/tcp/" in swarm.log("learner"), WAIT, "the dial-back", procs)
+    # the home worker reached the listed public worker through the NAT and fetched from it
+    wait_for(lambda: f"from {public_id[-8:]}" in swarm.log("home"), WAIT, "a chunk from the public worker", procs)
+
+    doc = status(lab, swarm.addr)
+    peers = {p["peer_id"]: p for p in doc["peers"]}
+    assert peers[home_id]["addr"].startswith(f"/ip4/{netlab.HOME_IP}/")  # what it announced, and
+    assert peers[home_id]["listed"] is False  # never handed out: nobody outside can reach it
+    assert peers[public_id]["addr"].startswith(f"/ip4/{netlab.INET_IP}/tcp/") and peers[public_id]["listed"]
+    assert peers[home_id]["groups_accepted"] > 0 and peers[home_id]["flagged"] is None
+    home_log = swarm.log("home")
+    assert "now on v" in home_log and "Traceback" not in home_log and "Traceback" not in swarm.log("learner")
