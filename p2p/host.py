@@ -185,6 +185,7 @@ class Host:
         self._down = TokenBucket(self.config.download_bps) if self.config.download_bps else None
         self._decoders = trio.CapacityLimiter(4)  # threads decoding requests at once
         async with host.run(listen_addrs=listen):
+            await _stop_auto_dials(host)
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self._token = trio.lowlevel.current_trio_token()
@@ -448,3 +449,18 @@ async def _reset_quietly(stream: Any) -> None:
         await stream.reset()
     except Exception:  # noqa: BLE001
         pass
+
+
+async def _stop_auto_dials(host: Any) -> None:
+    """Stop py-libp2p's auto-connector (libp2p 0.8.1). It keeps 50 and more connections by dialling every peer in
+    the peerstore at the addresses that peer announced in identify: a learner would dial, unasked, addresses no
+    dial-back checked (p2p.peer_list), and redial a worker around a link that was cut. Our hosts dial only whom
+    they choose (connect, request, the peer list). The swarm starts the connector once its background nursery
+    runs, so wait for that first (a stop before it would be undone)."""
+    connector = host.get_network().auto_connector
+    with trio.move_on_after(10):
+        while not connector._started:
+            await trio.sleep(0.01)
+    if not connector._started:
+        raise RuntimeError("py-libp2p's auto-connector did not start: is libp2p still 0.8.1 (pyproject.toml)?")
+    await connector.stop()

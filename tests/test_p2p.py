@@ -84,6 +84,16 @@ def test_request_reply_errors_and_a_crashing_handler(hosts):
         b.request(a.peer_id, "/echo/unknown/1", {}, timeout=5)
 
 
+def test_hosts_dial_only_whom_they_choose(hosts):
+    # py-libp2p's auto-connector would dial every peer of the peerstore at the addresses it announced in
+    # identify (the learner redialled killed workers every few seconds, and dialled addresses no dial-back
+    # had checked): it is stopped in every host (p2p.host._stop_auto_dials)
+    a, b = hosts(), hosts()
+    b.connect(a.addrs[0])
+    for host in (a, b):
+        assert host._host.get_network().auto_connector._started is False
+
+
 def test_oversized_frame_is_refused(hosts):
     a = hosts(HostConfig(max_frame=1000))
     b = hosts()

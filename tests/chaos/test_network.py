@@ -84,11 +84,11 @@ class Relay:
                 client, _ = self.server.accept()
             except OSError:
                 return
-            if not self.open:
-                client.close()
-                continue
-            upstream = socket.create_connection(("127.0.0.1", self.target))
-            with self.lock:
+            with self.lock:  # with cut(): a connection accepted while the link is cut must not survive the cut
+                if not self.open:
+                    client.close()
+                    continue
+                upstream = socket.create_connection(("127.0.0.1", self.target))
                 self.conns += [client, upstream]
             threading.Thread(target=self._pipe, args=(client, upstream), daemon=True).start()
             threading.Thread(target=self._pipe, args=(upstream, client), daemon=True).start()
@@ -106,8 +106,8 @@ class Relay:
                 pass
 
     def cut(self) -> None:
-        self.open = False
         with self.lock:
+            self.open = False
             for s in self.conns:
                 try:
                     s.shutdown(socket.SHUT_RDWR)
@@ -116,7 +116,8 @@ class Relay:
             self.conns.clear()
 
     def restore(self) -> None:
-        self.open = True
+        with self.lock:
+            self.open = True
 
     def close(self) -> None:
         self.cut()
