@@ -110,15 +110,22 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def evaluations(rows: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
     """(version, held-out evaluation) of a run in order; the initial policy's is version 0. Co-located, a
     step's evaluation is of its own version; in a swarm, of the version the evaluating workers held. A swarm's
-    figure revoked later (an evaluator was flagged: learner.orchestrate.evaluations) is left out."""
-    revoked = {e["figure"] for r in rows for e in r.get("eval_revoked", [])}
-    kept = [e for r in rows if "eval_initial" in r for e in [r["eval_initial"]] if e.get("figure") not in revoked]
-    points = [(0, e) for e in kept[:1]]
+    figure revoked later (an evaluator was flagged: learner.orchestrate.evaluations) is left out. Figure ids
+    count again from 1 at each start of the learner, and a revocation names a figure of its own start: the
+    newest figure with that id."""
+    recorded: list[tuple[bool, int, dict[str, Any]]] = []  # (initial policy's?, version, figure), in order
+    newest: dict[Any, int] = {}  # figure id -> index in `recorded` of the newest figure with that id
+    revoked: set[int] = set()
     for r in rows:
-        for e in [*r.get("eval_earlier", []), *([r["eval"]] if "eval" in r else [])]:
-            if "figure" not in e or e["figure"] not in revoked:
-                points.append((e.get("version", r["step"]), e))
-    return points
+        initial = [(True, 0, r["eval_initial"])] if "eval_initial" in r else []
+        later = [*r.get("eval_earlier", []), *([r["eval"]] if "eval" in r else [])]
+        for entry in [*initial, *((False, e.get("version", r["step"]), e) for e in later)]:
+            if "figure" in entry[2]:
+                newest[entry[2]["figure"]] = len(recorded)
+            recorded.append(entry)
+        revoked |= {newest[e.get("figure")] for e in r.get("eval_revoked", []) if e.get("figure") in newest}
+    kept = [entry for i, entry in enumerate(recorded) if i not in revoked]
+    return [(0, e) for first, _, e in kept if first][:1] + [(v, e) for first, v, e in kept if not first]
 
 
 def by_version(rows: list[dict[str, Any]], key: str) -> dict[int, float]:

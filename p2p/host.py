@@ -233,7 +233,7 @@ class Host:
             raise PeerUnavailable(f"cannot reach {addr}: {type(exc).__name__}: {exc}") from None
         return info.peer_id.to_base58()
 
-    def dial_back(self, addr: str, timeout: float = 3.0) -> None:
+    def dial_back(self, addr: str, timeout: float) -> None:
         """Dial exactly `addr` (ending in /p2p/PEER_ID; no other address known for that peer), check that the
         far end proved it holds PEER_ID's key (the Noise handshake), and hang up: whether an address a peer
         announced reaches that peer. Raises PeerUnavailable if it does not. Meant for a host of its own
@@ -253,8 +253,8 @@ class Host:
             finally:
                 with trio.move_on_after(timeout):
                     await conn.close()
-                # forget what the dial taught the peerstore, or py-libp2p's auto-connector would redial a
-                # routable address to keep its connection count up
+                # forget what the dial taught the peerstore: a prober checks every joiner's addresses, and
+                # its peerstore would otherwise keep each one for good
                 with contextlib.suppress(Exception):  # (it raises for a peer it does not hold)
                     self._host.get_peerstore().clear_peerdata(expected)
 

@@ -16,7 +16,7 @@ from learner.orchestrate.verify import RolloutVerifier
 from learner.orchestrate.workers import WorkerRecord
 from learner.train.models import model_spec
 from learner.train.wire_weights import wire_tensors
-from p2p.host import Misbehaviour
+from p2p.host import BadRequest, Misbehaviour
 from p2p.messages import Completion, GroupSubmission, RolloutSubmission
 from worker.engines.hf import TransformersEngine
 
@@ -134,6 +134,16 @@ def test_two_evaluators_make_one_figure_and_a_flag_later_recomputes_it(held_out)
     assert revoked[0]["evaluated_again"] and evals.pending == [VERSION] and evals.last is None
 
 
+@pytest.mark.parametrize("lease", [[1, 2], {"a": 1}, None, float("nan"), "1", -1, 2**70])
+def test_a_hostile_lease_id_is_a_bad_request(held_out, lease):
+    # a list or a map used as a dict key raised TypeError: a traceback and "learner error", and no penalty
+    evals = board(held_out, {"a": VERSION})
+    assert evals.offer("a", VERSION) is not None  # a round is open
+    assert evals.holds(lease) is False
+    with pytest.raises(BadRequest, match="no such evaluation lease"):
+        evals.submit("a", {"lease": lease}, vocab_size=held_out_vocab(evals), max_tokens=8)
+
+
 def test_the_report_leaves_revoked_figures_out():
     from echo_cli.report import evaluations
 
@@ -144,3 +154,9 @@ def test_the_report_leaves_revoked_figures_out():
         {"step": 4, "eval": {"version": 4, "accuracy": 0.5}},  # (a figure from before figures had ids)
     ]
     assert [(v, e.get("figure")) for v, e in evaluations(rows)] == [(0, 3), (4, None)]
+    resumed = [  # a resumed learner counts figures from 1 again: its revocation is of its own figure 1
+        {"step": 5, "eval": {"version": 5, "figure": 1, "accuracy": 0.5}},
+        {"step": 6, "eval_revoked": [{"figure": 1}]},
+    ]
+    assert [(v, e.get("figure")) for v, e in evaluations(rows + resumed)] == [(0, 3), (4, None)]
+    assert [(v, e.get("figure")) for v, e in evaluations(rows[:2] + resumed)] == [(0, 1), (2, 2)]

@@ -161,7 +161,7 @@ class EvalBoard:
 
     def holds(self, lease_id: object) -> bool:
         with self._lock:
-            return self.round is not None and lease_id in self.round.leases
+            return self.round is not None and isinstance(lease_id, int) and lease_id in self.round.leases
 
     def forget_worker(self, worker: str) -> None:
         """A silent worker's evaluation lease is given up: another worker may take it."""
@@ -177,7 +177,8 @@ class EvalBoard:
         (the caller acts on it). `max_turns` > 0: an environment's episodes (p2p.messages.RolloutSubmission)."""
         with self._lock:  # closing the lease first: a replay, even a concurrent one, finds none
             r = self.round
-            lease = None if r is None else r.leases.get(msg.get("lease"))  # type: ignore[arg-type]
+            lease_id = msg.get("lease")  # a peer's value: a list or a map is no dict key
+            lease = r.leases.get(lease_id) if r is not None and isinstance(lease_id, int) else None
             if r is None or lease is None:
                 raise BadRequest("no such evaluation lease (it expired)")
             if lease.worker != peer:
