@@ -56,8 +56,10 @@ from p2p.wire import (
     encode_frame,
     parse_header,
 )
+from p2p.yamux import use_nonblocking_yamux
 
 log = logging.getLogger(__name__)
+use_nonblocking_yamux()
 # py-libp2p detaches its "libp2p" logger from the root and gives it no handler, so Python's last-resort
 # handler printed its ERROR records (expected dial failures to peers that left) bare on stderr. Propagated,
 # they reach the application's handlers, where echo_cli demotes them to debug (p2p.logs).
@@ -175,7 +177,7 @@ class Host:
         listen = [multiaddr.Multiaddr(a) for a in self.config.listen]
         host = new_host(
             key_pair=key_pair,
-            muxer_preference="YAMUX",
+            muxer_preference="YAMUX",  # p2p.yamux: with a read loop that never waits to write
             sec_opt={NOISE_PROTOCOL_ID: noise},  # Noise only: plaintext and secio peers are refused
             listen_addrs=listen,
         )

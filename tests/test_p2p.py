@@ -10,7 +10,11 @@ import time
 
 import numpy as np
 import pytest
+import trio
 from libp2p.crypto.ed25519 import Ed25519PrivateKey
+from libp2p.peer.id import ID
+from libp2p.stream_muxer import muxer_multistream
+from libp2p.stream_muxer.yamux.yamux import Yamux
 
 import p2p.broadcast
 from p2p.broadcast import CHUNK, BroadcastPeer, ChunkServer, ChunkStore, Seeder, VersionDropped
@@ -27,6 +31,7 @@ from p2p.identity import IdentityError, load_identity
 from p2p.manifest import Manifest, ManifestError
 from p2p.versions import build_version, rebuild_raw, tensors_of
 from p2p.wire import REQUEST_LIMITS, FrameError, FrameLimits, decode_body, encode_frame, parse_header
+from p2p.yamux import NonBlockingYamux
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,6 +87,78 @@ def test_request_reply_errors_and_a_crashing_handler(hosts):
     assert a.guard.counts == {"bad frame": 1}
     with pytest.raises(PeerUnavailable):
         b.request(a.peer_id, "/echo/unknown/1", {}, timeout=5)
+
+
+class _LockstepConn:
+    """A secured connection whose every write waits until the other end reads (trio's lockstep stream pair):
+    what a full TCP buffer does to a writer, on every frame."""
+
+    def __init__(self, stream, initiator):
+        self.stream, self.is_initiator = stream, initiator
+
+    async def write(self, data):
+        await self.stream.send_all(data)
+
+    async def read(self, n=None):
+        return await self.stream.receive_some(n)
+
+    async def close(self):
+        await self.stream.aclose()
+
+    def get_remote_address(self):
+        return None
+
+
+def _replies_across_lockstep_muxers(muxer_class) -> int:
+    """Both muxers ask the other for 2 MB, four times each, at once: how many replies arrive within 10 s."""
+    import trio.testing
+
+    async def main():
+        a_end, b_end = trio.testing.lockstep_stream_pair()
+        peer = ID.from_pubkey(Ed25519PrivateKey.new().get_public_key())
+        a, b = muxer_class(_LockstepConn(a_end, True), peer), muxer_class(_LockstepConn(b_end, False), peer)
+        payload, arrived = b"x" * 2_000_000, []
+
+        async def serve(muxer, nursery):
+            while True:
+                nursery.start_soon(reply, await muxer.accept_stream())
+
+        async def reply(stream):
+            await stream.write(payload)
+            await stream.close()
+
+        async def ask(muxer):
+            stream = await muxer.open_stream()
+            await stream.write(b"?")
+            got = 0
+            while got < len(payload) and (data := await stream.read(65536)):
+                got += len(data)
+            arrived.append(got)
+
+        async with trio.open_nursery() as nursery:
+            for muxer in (a, b):
+                nursery.start_soon(muxer.start)
+                await muxer.event_started.wait()
+                nursery.start_soon(serve, muxer, nursery)
+            with trio.move_on_after(10):
+                async with trio.open_nursery() as asks:
+                    for _ in range(4):
+                        asks.start_soon(ask, a)
+                        asks.start_soon(ask, b)
+            nursery.cancel_scope.cancel()
+        return len(arrived)
+
+    return trio.run(main)
+
+
+def test_a_yamux_read_loop_never_waits_to_write():
+    """Symmetric back-pressure (two workers serving each other chunks at once): py-libp2p's own Yamux read loop
+    waits for the write lock to ACK a new stream or answer a ping, while that lock's holder waits for the other
+    side to read, which waits likewise; every request on the connection then times out (a 3-peer fetch stalled
+    at 5 of 7 chunks, ~1 run in 10). p2p.yamux's read loop queues those frames instead."""
+    assert _replies_across_lockstep_muxers(Yamux) == 0  # the deadlock, as py-libp2p 0.8.1 has it
+    assert _replies_across_lockstep_muxers(NonBlockingYamux) == 8
+    assert muxer_multistream.Yamux is NonBlockingYamux  # what every host's connections use
 
 
 def test_hosts_dial_only_whom_they_choose(hosts):
@@ -146,7 +223,6 @@ def test_identity_is_persistent_and_private(tmp_path):
 
 def test_plaintext_peer_is_refused(hosts):
     import multiaddr
-    import trio
     from libp2p import new_host
     from libp2p.crypto.keys import KeyPair
     from libp2p.peer.peerinfo import info_from_p2p_addr
