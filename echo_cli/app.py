@@ -15,7 +15,7 @@ from typer.core import TyperGroup
 from echo_cli.bench_commands import bench_app
 from echo_cli.config import load_config, with_config_flags
 from echo_cli.live import show_learner, show_worker
-from echo_cli.research import eval_command, export_command, sampler_engine
+from echo_cli.research import eval_command, export_command
 from echo_cli.terminal import console, fail, setup_logging, user_errors
 from learner.config import LearnerConfig
 from p2p.config import ConfigError
@@ -70,8 +70,10 @@ def learner_start(
             raise ConfigError("--colocated runs in one process: start it without torchrun")
         if colocated:
             from learner.colocated_loop import train_colocated
+            from worker.engines import sampler_engine
 
-            steps = train_colocated(cfg, sampler_engine(cfg, Path(cfg.run.run_dir) / "sampler"), resume=resume)
+            sampler = sampler_engine(cfg.sampler, cfg.model.device, Path(cfg.run.run_dir) / "sampler")
+            steps = train_colocated(cfg, sampler, resume=resume)
         else:
             from learner.swarm_loop import train_distributed
 

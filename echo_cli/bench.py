@@ -25,7 +25,7 @@ def run_sampler_bench(
 
     from learner.tasks import make_task
     from learner.train.models import load_policy, model_spec
-    from learner.train.wire_weights import wire_tensors
+    from learner.train.wire_weights import send_to_sampler
     from p2p.messages import GenerationRequest, SamplingParams
     from worker.engines.llamacpp import LlamaCppEngine
 
@@ -36,7 +36,7 @@ def run_sampler_bench(
 
     work = tempfile.mkdtemp(prefix="echo-bench-")
     ours = LlamaCppEngine(work, threads=threads, max_batch=max_batch)
-    ours.load_policy(model_spec(policy), wire_tensors(policy.model))
+    send_to_sampler(ours, model_spec(policy), policy.model)
     gguf_path = f"{work}/policy.gguf"
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=0)
     requests = [GenerationRequest(p, group_size, k) for k, p in enumerate(prompt_ids)]
@@ -185,7 +185,7 @@ def run_codec_bench(model: str, lrs: list[float], steps: int, cache_dir: str, js
     from learner.tasks import make_task
     from learner.train.models import load_policy, model_spec
     from learner.train.trainer import GRPOTrainer
-    from learner.train.wire_weights import wire_dtypes, wire_tensors
+    from learner.train.wire_weights import send_to_sampler, wire_dtypes, wire_tensors
     from p2p.messages import GenerationRequest, SamplingParams
     from p2p.versions import build_version, rebuild_raw
     from worker.engines.llamacpp import LlamaCppEngine
@@ -210,7 +210,7 @@ def run_codec_bench(model: str, lrs: list[float], steps: int, cache_dir: str, js
         previous = raw0
         rng = random.Random(0)
         for step in range(1, steps + 1):
-            engine.load_policy(spec, wire_tensors(policy.model))
+            send_to_sampler(engine, spec, policy.model)
             problems = [task.sample(rng) for _ in range(4)]
             prompts = [policy.render_prompt(p.prompt) for p in problems]
             requests = [GenerationRequest(p, 8, k) for k, p in enumerate(prompts)]

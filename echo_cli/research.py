@@ -15,17 +15,6 @@ from echo_cli.terminal import console, fail, setup_logging, user_errors
 TARGET_HELP = "A run directory (its newest checkpoint, or --step) or a checkpoints/step-N folder."
 
 
-def sampler_engine(cfg: object, work_dir: str | Path) -> object:
-    """The engine a co-located run (or an evaluation) samples with: the run's [sampler] on the learner's device
-    (llama.cpp offloads its layers to a GPU when built with one, transformers runs on --device)."""
-    from worker.engines import make_engine
-
-    sampler = cfg.sampler
-    return make_engine(
-        sampler.engine, work_dir, sampler.threads, sampler.max_batch, sampler.gpu_layers, cfg.model.device
-    )
-
-
 def checkpoint_config(target: Path, step: int | None, overrides: dict) -> tuple[Path, object]:
     """The checkpoint `target` names and its run's LearnerConfig (as saved with it), with `overrides`."""
     from learner.config import LearnerConfig
@@ -51,7 +40,8 @@ def eval_command(
 ) -> None:
     """Greedy accuracy and pass@k of a checkpoint on held-out prompts, as `--eval-every` measures them in a run."""
     setup_logging()
-    from learner.evaluation import evaluate_checkpoint
+    from learner.run import evaluate_checkpoint
+    from worker.engines import sampler_engine
 
     overrides = {
         "eval_task": eval_task, "eval_prompts": eval_prompts, "eval_samples": eval_samples, "seed": seed,
@@ -61,7 +51,7 @@ def eval_command(
     try:
         checkpoint, cfg = checkpoint_config(target, step, overrides)
         with tempfile.TemporaryDirectory(prefix="echo-rl-eval-") as work_dir:
-            generator = sampler_engine(cfg, work_dir)
+            generator = sampler_engine(cfg.sampler, cfg.model.device, work_dir)
             result = {"checkpoint": str(checkpoint), **evaluate_checkpoint(cfg, checkpoint, generator)}
             if hasattr(generator, "close"):
                 generator.close()  # before its GGUF's folder goes

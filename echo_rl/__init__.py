@@ -59,8 +59,10 @@ def train(cfg: LearnerConfig, task: Task | None = None, resume: bool = False) ->
     as it is written to RUN_DIR/metrics.jsonl. `task`: any object with name, sample and reward (a
     FunctionTask) instead of cfg.task. A multi-turn environment: cfg.env.env = "module:Class" (or a
     built-in name), see docs/environments.md."""
-    from echo_cli.research import sampler_engine
     from learner.colocated_loop import train_colocated
+    from worker.engines import sampler_engine
 
     cfg.validate()
-    yield from train_colocated(cfg, sampler_engine(cfg, Path(cfg.run.run_dir) / "sampler"), resume, task)
+    yield from train_colocated(
+        cfg, sampler_engine(cfg.sampler, cfg.model.device, Path(cfg.run.run_dir) / "sampler"), resume, task
+    )

@@ -27,9 +27,10 @@ from learner.run import open_run
 from learner.tasks import Problem, Task
 from learner.train.checkpoint import save_checkpoint
 from learner.train.models import model_spec
-from learner.train.wire_weights import wire_tensors
+from learner.train.wire_weights import send_to_sampler
 from p2p.config import ConfigError
 from p2p.messages import GenerationRequest, SamplingParams
+from worker.engines import sampler_engine
 
 
 @dataclass
@@ -79,21 +80,16 @@ class TrainingClient(_Optimizer):
     trainer and a sampler engine that holds the weights last saved for sampling."""
 
     def __init__(self, cfg: LearnerConfig, task: Task | None = None) -> None:
-        from echo_cli.research import sampler_engine
-
         super().__init__(cfg, task)
         self.spec = model_spec(self.policy)
-        self.engine = sampler_engine(cfg, self.run.run_dir / "sampler")
-        self.engine.load_policy(self.spec, wire_tensors(self.policy.model))
+        self.engine = sampler_engine(cfg.sampler, cfg.model.device, self.run.run_dir / "sampler")
+        send_to_sampler(self.engine, self.spec, self.policy.model)
         self.sampler_step = self.step  # the step whose weights the sampler holds
 
     def save_weights_and_get_sampling_client(self) -> SamplingClient:
         """Load the current weights into the sampler (a LoRA run: only its adapters) and sample from them."""
         if self.step != self.sampler_step:
-            if self.policy.lora_rank:
-                self.engine.load_adapters(self.spec, wire_tensors(self.policy.model, adapter_only=True))
-            else:
-                self.engine.load_policy(self.spec, wire_tensors(self.policy.model))
+            send_to_sampler(self.engine, self.spec, self.policy.model, adapters_only=bool(self.policy.lora_rank))
             self.sampler_step = self.step
         return SamplingClient(self, self.step)
 

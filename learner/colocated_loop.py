@@ -8,35 +8,22 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Protocol
-
-import numpy as np
+from collections.abc import Iterator
 
 from envs.episode import play_episodes
 from learner.config import LearnerConfig
 from learner.evaluation import Evaluator, eval_task
-from learner.orchestrate.rollouts import Rollout, has_signal, score_groups, step_seed
+from learner.orchestrate.rollouts import Rollout, has_signal, score_groups
 from learner.run import Phases, batch_metrics, open_run
-from learner.tasks import Task
+from learner.tasks import Task, step_seed
 from learner.tasks.environment import episode_rules
 from learner.train.models import model_spec
-from learner.train.wire_weights import wire_tensors
-from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams
-
-
-class Sampler(Protocol):
-    """What the loop needs from an inference engine (worker.engines.* provide it)."""
-
-    def load_policy(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None: ...
-
-    def load_adapters(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None: ...
-
-    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]: ...
+from learner.train.wire_weights import send_to_sampler
+from p2p.messages import Engine, GenerationRequest, SamplingParams
 
 
 def train_colocated(
-    cfg: LearnerConfig, engine: Sampler, resume: bool = False, task: Task | None = None
+    cfg: LearnerConfig, engine: Engine, resume: bool = False, task: Task | None = None
 ) -> Iterator[dict]:
     """Run (or resume) a co-located GRPO run; yields each step's metrics after it is written. `task`: a task
     object instead of cfg.task (the Python API's)."""
@@ -48,7 +35,7 @@ def train_colocated(
     if every and episodes is not None:  # an environment's held-out seeds, drawn from the run's task
         held_out = eval_task(cfg, task)
     spec = model_spec(policy)
-    engine.load_policy(spec, wire_tensors(policy.model))
+    send_to_sampler(engine, spec, policy.model)
     evaluator = Evaluator.for_run(cfg, policy, held_out) if held_out else None
     initial = {"version": 0, **evaluator.evaluate(engine)} if evaluator and run.start_step == 0 else None  # baseline
     t_run = time.perf_counter() - run.wall_offset
@@ -94,10 +81,8 @@ def train_colocated(
 
             # 5. hand the new weights to the sampler (LoRA: only the adapters, hot-swapped on the base)
             with phases("export"):
-                if stats["trained_tokens"] and cfg.model.lora_rank:
-                    engine.load_adapters(spec, wire_tensors(policy.model, adapter_only=True))
-                elif stats["trained_tokens"]:
-                    engine.load_policy(spec, wire_tensors(policy.model))
+                if stats["trained_tokens"]:
+                    send_to_sampler(engine, spec, policy.model, adapters_only=bool(cfg.model.lora_rank))
             # 6. held-out evaluation of the new version (the checkpoint of this step holds the same weights)
             evaluation = None
             if evaluator and (step % every == 0 or step == cfg.run.steps):

@@ -22,40 +22,23 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Protocol
 
-import numpy as np
-
-from envs import make_env
 from envs.episode import EpisodeRules, play_episodes, replay_episode
 from learner.config import LearnerConfig
-from learner.orchestrate.rollouts import step_seed
-from learner.run import environment_task
-from learner.tasks import Problem, Task, make_task
+from learner.tasks import Problem, Task, make_task, step_seed
 from learner.tasks.environment import episode_rules
 from learner.tasks.split import has_split, split_task
-from learner.train.checkpoint import load_weights
 from learner.train.grpo import clamp_reward
-from learner.train.models import Policy, load_run_policy, model_spec
-from learner.train.wire_weights import wire_tensors
+from learner.train.models import Policy
 from p2p.config import ConfigError
-from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams
+from p2p.messages import Completion, Engine, GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
 PROMPT_STREAM, SAMPLE_STREAM = -1, -2  # step_seed indices of the evaluation's prompts and draws (steps are >= 1)
 MAX_DRAWS_PER_PROMPT = 20  # a small task or file may hold fewer distinct problems than eval_prompts
-
-
-class Generator(Protocol):
-    """What evaluation needs of an engine (worker.engines.*)."""
-
-    def load_policy(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None: ...
-
-    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]: ...
 
 
 def eval_task(cfg: LearnerConfig, training_task: Task | None = None) -> Task:
@@ -129,7 +112,7 @@ class Evaluator:
         greedy = [GenerationRequest(prompts[i], 1, i, greedy=True, episode=seeds[i]) for i in range(len(prompts))]
         return greedy + [GenerationRequest(prompts[i], self.samples, i, episode=seeds[i]) for i in range(len(prompts))]
 
-    def evaluate(self, engine: Generator) -> dict:
+    def evaluate(self, engine: Engine) -> dict:
         """Greedy accuracy, pass@k and mean sampled reward of `engine`'s policy on the held-out prompts."""
         tick = time.perf_counter()
         requests, n = self.requests(), len(self.problems)
@@ -166,13 +149,3 @@ class Evaluator:
         if self.episodes is not None:
             return [clamp_reward(replay_episode(c, problem.answer, self.episodes).reward) for c in group]
         return [clamp_reward(self.task.reward(self.policy.decode(c.tokens), problem.answer)) for c in group]
-
-
-def evaluate_checkpoint(cfg: LearnerConfig, checkpoint: Path, engine: Generator) -> dict:
-    """`echo-rl eval`: load a checkpoint's policy into `engine` as the run's sampler held it, and evaluate it."""
-    envs = make_env(cfg.env.env, cfg.env.env_args) if cfg.env.env else None  # a bad one fails before the model loads
-    policy = load_run_policy(cfg.model, cfg.run.seed)
-    state = load_weights(checkpoint, policy.model)
-    engine.load_policy(model_spec(policy), wire_tensors(policy.model))
-    task = eval_task(cfg, environment_task(cfg, policy, envs)) if envs else None
-    return {"step": state["step"], **Evaluator.for_run(cfg, policy, task).evaluate(engine)}

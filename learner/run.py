@@ -21,6 +21,7 @@ import torch
 from envs import EnvFactory, EnvSpec, make_env
 from envs.episode import EpisodeRules
 from learner.config import LearnerConfig
+from learner.evaluation import Evaluator, eval_task
 from learner.orchestrate.rollouts import Rollout, has_signal
 from learner.tasks import Task, make_task
 from learner.tasks.environment import EnvironmentTask
@@ -38,9 +39,11 @@ from learner.train.devices import (
     resolve_device,
     training_state_gib,
 )
-from learner.train.models import Policy, chat_format, load_run_policy
+from learner.train.models import Policy, chat_format, load_run_policy, model_spec
 from learner.train.trainer import GRPOTrainer, frozen_copy
+from learner.train.wire_weights import send_to_sampler
 from p2p.config import ConfigError
+from p2p.messages import Engine
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +155,16 @@ def open_run(cfg: LearnerConfig, resume: bool, world: World | None = None, task:
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
         trackers = Trackers(cfg, run_dir)
     return Run(cfg, run_dir, policy, task, trainer, start_step, wall_offset, trackers, world)
+
+
+def evaluate_checkpoint(cfg: LearnerConfig, checkpoint: Path, engine: Engine) -> dict:
+    """`echo-rl eval`: load a checkpoint's policy into `engine` as the run's sampler held it, and evaluate it."""
+    envs = make_env(cfg.env.env, cfg.env.env_args) if cfg.env.env else None  # a bad one fails before the model loads
+    policy = load_run_policy(cfg.model, cfg.run.seed)
+    state = load_weights(checkpoint, policy.model)
+    send_to_sampler(engine, model_spec(policy), policy.model)
+    task = eval_task(cfg, environment_task(cfg, policy, envs)) if envs else None
+    return {"step": state["step"], **Evaluator.for_run(cfg, policy, task).evaluate(engine)}
 
 
 def environment_task(cfg: LearnerConfig, policy: Policy, envs: EnvFactory) -> EnvironmentTask:

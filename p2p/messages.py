@@ -9,7 +9,11 @@ against, so that one file shows the whole protocol (the broadcast's own messages
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,33 @@ class Completion:
     # or, for an episode only, "error" (the environment's step raised: envs.episode)
     spans: list[int] = field(default_factory=list)  # an episode's turns (see sampled_positions); [] one turn
     reward: float | None = None  # an episode's return, as the worker's environment computed it
+
+
+class Engine(Protocol):
+    """The contract every inference engine keeps (worker.engines.llamacpp and .hf), which the worker's
+    daemon, the co-located loop, evaluation and the Python API sample through.
+
+    `generate` returns, per request, `group_size` completions in order, each drawn from the lease's
+    counter-based draws (worker.sampling) with its behaviour logprobs; `stage` prepares a version beside
+    the live one (safe while generate() runs on another thread), `install` swaps it in between leases,
+    `discard` frees one not used; `load_policy` (float weights, LoRA adapters among them merged in) and
+    `load_adapters` (hot-swapped on the loaded base) stage and install at once."""
+
+    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]: ...
+
+    def stage(
+        self, spec: ModelSpec, weights: Mapping[str, np.ndarray] | None, adapters: Mapping[str, np.ndarray] | None
+    ) -> Any: ...
+
+    def install(self, staged: Any) -> None: ...
+
+    def discard(self, staged: Any) -> None: ...
+
+    def load_policy(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None: ...
+
+    def load_adapters(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None: ...
+
+    def backend(self) -> dict[str, str | int]: ...
 
 
 def sampled_count(n_tokens: int, spans: list[int]) -> int:

@@ -53,7 +53,7 @@ from learner.orchestrate.publisher import Publisher
 from learner.tasks import make_task
 from learner.train.lora import add_lora
 from learner.train.models import Policy, load_policy, model_spec
-from learner.train.wire_weights import wire_tensors
+from learner.train.wire_weights import send_to_sampler
 from p2p.broadcast import BroadcastPeer, Seeder
 from p2p.chunk_store import ChunkStore
 from p2p.host import Host, HostConfig
@@ -79,7 +79,7 @@ def encode_versions(
     and signed as the learner's Publisher does (`wire` 16-bit format, `topk` share of each matrix's changes)."""
     policy = policy_with(model, lora_rank)
     engine = LlamaCppEngine(tempfile.mkdtemp(prefix="echo-overlap-"), threads=2, max_batch=32)
-    engine.load_policy(model_spec(policy), wire_tensors(policy.model))
+    send_to_sampler(engine, model_spec(policy), policy.model)
     signer = Host().start()
     publisher = Publisher(seeder=None, run_id="bench", full_every=10**6, dtype=wire, topk=topk, lora=lora_rank > 0)
     versions = []

@@ -25,7 +25,7 @@ from grpo_steps import train  # scripts/grpo_steps.py
 
 from learner.orchestrate.publisher import Publisher
 from learner.train.models import load_policy, model_spec
-from learner.train.wire_weights import wire_tensors
+from learner.train.wire_weights import send_to_sampler, wire_tensors
 from p2p.weights import to_float32
 from worker.engines.llamacpp import LlamaCppEngine
 
@@ -45,7 +45,7 @@ def main() -> None:
     torch.set_flush_denormal(True)
     policy = load_policy(args.model, "~/.cache/echo-rl")
     engine = LlamaCppEngine(tempfile.mkdtemp(prefix="echo-wire-"), threads=2, max_batch=32)
-    engine.load_policy(model_spec(policy), wire_tensors(policy.model))
+    send_to_sampler(engine, model_spec(policy), policy.model)
     options = [(dtype, float(k)) for dtype in ("f16", "bf16") for k in args.topk.split(",")]
     publishers = {o: Publisher(seeder=None, run_id="bench", full_every=10**6, dtype=o[0], topk=o[1]) for o in options}
     sizes: dict = {o: [] for o in options}

@@ -10,7 +10,7 @@ from learner.orchestrate.rollouts import score_groups
 from learner.tasks import make_task
 from learner.train.models import Policy, model_spec
 from learner.train.trainer import GRPOTrainer
-from learner.train.wire_weights import wire_tensors
+from learner.train.wire_weights import send_to_sampler
 from p2p.messages import GenerationRequest, SamplingParams
 
 
@@ -24,9 +24,6 @@ def train(policy: Policy, engine, steps: int, lr: float, lora: bool, on_step=Non
         requests = [GenerationRequest(p, 8, k) for k, p in enumerate(prompts)]
         groups = engine.generate(requests, SamplingParams(1.0, 1.0, 48, step))
         trainer.step([r for g in score_groups(task, policy, problems, prompts, groups, step - 1) for r in g])
-        if lora:
-            engine.load_adapters(spec, wire_tensors(policy.model, adapter_only=True))
-        else:
-            engine.load_policy(spec, wire_tensors(policy.model))
+        send_to_sampler(engine, spec, policy.model, adapters_only=lora)
         if on_step is not None:
             on_step(step)

@@ -16,7 +16,7 @@ from learner.orchestrate.rollouts import Rollout
 from learner.train.devices import enable_grad_checkpointing, grad_checkpointing_on, resolve_device
 from learner.train.models import model_spec, tiny_policy
 from learner.train.trainer import GRPOTrainer, completion_logprobs
-from learner.train.wire_weights import wire_tensors
+from learner.train.wire_weights import send_to_sampler
 from p2p.config import ConfigError
 from p2p.messages import GenerationRequest, Heartbeat, SamplingParams, describe_hardware
 from tests.conftest import run_cli
@@ -116,7 +116,7 @@ def test_colocated_run_in_bf16_with_checkpointing_records_its_memory(tmp_path):
 def test_transformers_engine_batches_prompts_of_different_lengths_exactly(tiny):
     """Left-padded prompts in one wave give the completions and behaviour logprobs each prompt gets alone."""
     eng = TransformersEngine(threads=2, max_batch=8, device="cpu")
-    eng.load_policy(model_spec(tiny), wire_tensors(tiny.model))
+    send_to_sampler(eng, model_spec(tiny), tiny.model)
     prompts = [tiny.render_prompt("What is 1 + 1?"), tiny.render_prompt("Name three colours of the rainbow, please.")]
     params = SamplingParams(1.0, 0.95, 10, 5)
     together = eng.generate([GenerationRequest(p, 3, k) for k, p in enumerate(prompts)], params)

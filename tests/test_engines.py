@@ -1,5 +1,7 @@
 """The llama.cpp engine against torch on the tiny model: logits, generation and behaviour logprobs."""
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -7,17 +9,26 @@ import torch
 from learner.orchestrate.rollouts import Rollout
 from learner.train.models import model_spec
 from learner.train.trainer import completion_logprobs
-from learner.train.wire_weights import wire_tensors
-from p2p.messages import GenerationRequest, SamplingParams
+from learner.train.wire_weights import send_to_sampler, wire_tensors
+from p2p.messages import Engine, GenerationRequest, SamplingParams
 from worker.engines.hf import TransformersEngine
 from worker.engines.llamacpp import LlamaCppEngine
 from worker.gguf_writer import permute_for_llamacpp
 
 
+@pytest.mark.parametrize("engine_class", [LlamaCppEngine, TransformersEngine])
+def test_every_engine_keeps_the_engine_contract(engine_class):
+    """Each engine has every method of p2p.messages.Engine, with the same parameters."""
+    for name, method in inspect.getmembers(Engine, inspect.isfunction):
+        if not name.startswith("_"):
+            ours = inspect.signature(getattr(engine_class, name)).parameters
+            assert list(ours) == list(inspect.signature(method).parameters), name
+
+
 @pytest.fixture(scope="module")
 def engine(tiny, tmp_path_factory):
     eng = LlamaCppEngine(tmp_path_factory.mktemp("engine"), threads=2, max_batch=8)
-    eng.load_policy(model_spec(tiny), wire_tensors(tiny.model))
+    send_to_sampler(eng, model_spec(tiny), tiny.model)
     yield eng
     eng.close()
 
@@ -62,7 +73,7 @@ def test_generate_groups_and_behaviour_logprobs(tiny, engine):
 
 def test_transformers_engine_same_interface(tiny):
     eng = TransformersEngine(threads=2)
-    eng.load_policy(model_spec(tiny), wire_tensors(tiny.model))
+    send_to_sampler(eng, model_spec(tiny), tiny.model)
     prompt = tiny.render_prompt("What is 1 + 1?")
     [group] = eng.generate([GenerationRequest(prompt, 3)], SamplingParams(1.0, 1.0, 10, 3))
     rollouts = [Rollout(prompt, c.tokens, c.logprobs, 0.0) for c in group]

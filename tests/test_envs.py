@@ -29,7 +29,7 @@ from learner.tasks.environment import EnvironmentTask
 from learner.tasks.split import split_task
 from learner.train.models import chat_format, model_spec, tiny_policy
 from learner.train.trainer import GRPOTrainer, completion_logprobs
-from learner.train.wire_weights import wire_tensors
+from learner.train.wire_weights import send_to_sampler, wire_tensors
 from p2p.messages import (
     Completion,
     GenerationRequest,
@@ -164,7 +164,7 @@ def tiny_engine(policy, tmp_path):
     from worker.engines.llamacpp import LlamaCppEngine
 
     engine = LlamaCppEngine(tmp_path / "engine", threads=2, max_batch=8)
-    engine.load_policy(model_spec(policy), wire_tensors(policy.model))
+    send_to_sampler(engine, model_spec(policy), policy.model)
     return engine
 
 

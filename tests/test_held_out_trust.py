@@ -15,7 +15,7 @@ from learner.orchestrate.evaluations import EvalBoard
 from learner.orchestrate.verify import RolloutVerifier
 from learner.orchestrate.workers import WorkerRecord
 from learner.train.models import model_spec
-from learner.train.wire_weights import wire_tensors
+from learner.train.wire_weights import send_to_sampler, wire_tensors
 from p2p.host import BadRequest, Misbehaviour
 from p2p.messages import Completion, GroupSubmission, RolloutSubmission
 from worker.engines.hf import TransformersEngine
@@ -44,7 +44,7 @@ def held_out(tmp_path_factory):
     cfg.sampler = dataclasses.replace(cfg.sampler, max_new_tokens=8)
     evaluator = Evaluator.for_run(cfg, tiny)
     engine = TransformersEngine(threads=2, device="cpu")
-    engine.load_policy(model_spec(tiny), wire_tensors(tiny.model))
+    send_to_sampler(engine, model_spec(tiny), tiny.model)
     requests, n = evaluator.requests(), len(evaluator.problems)
     answer = engine.generate(requests[:n], dataclasses.replace(evaluator.params, temperature=0.0))
     answer += engine.generate(requests[n:], evaluator.params)

@@ -20,12 +20,15 @@ FORBIDDEN = [
     ("p2p", ("echo_rl", "echo_cli", "learner", "worker", "envs")),
     ("envs", ("echo_rl", "echo_cli", "learner", "worker", "torch", "transformers", "trio", "libp2p")),
     ("echo_cli", ("echo_rl",)),  # the Python API is a facade over the CLI's packages, not under them
+    ("echo_rl", ("echo_cli",)),  # ...and the CLI is another front end beside it, not under it
     ("worker", ("echo_cli", "learner")),
     ("learner", ("echo_cli", "worker")),
     ("learner.train", ("learner.orchestrate", "learner.plan", "learner.colocated_loop", "learner.swarm_loop",
                        "learner.swarm_side", "learner.run")),
     ("learner.plan", ("learner.train", "learner.orchestrate", "learner.tasks", "learner.run", "torch")),
     ("learner.orchestrate", ("learner.colocated_loop", "learner.swarm_loop", "learner.swarm_side", "learner.run")),
+    ("learner.evaluation", ("learner.orchestrate", "learner.run", "learner.colocated_loop", "learner.swarm_loop",
+                            "learner.swarm_side")),
     ("learner.tasks", ("learner.train", "learner.orchestrate", "learner.plan", "learner.run")),
     ("echo_rl", ("trio", "libp2p")),
     ("echo_cli", ("trio", "libp2p")),

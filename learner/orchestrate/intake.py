@@ -23,13 +23,13 @@ from learner.orchestrate.evaluations import EvalBoard
 from learner.orchestrate.journal import RolloutJournal
 from learner.orchestrate.leases import Lease, LeaseError, LeaseTable
 from learner.orchestrate.replay import ReplayBuffer
-from learner.orchestrate.rollouts import Rollout, ScoredGroup, score_groups, step_seed
+from learner.orchestrate.rollouts import Rollout, ScoredGroup, score_groups
 from learner.orchestrate.verify import RolloutVerifier
 from learner.orchestrate.versions import PolicyVersions
 from learner.orchestrate.workers import WorkerRecord
 from learner.plan.admission import within_staleness
 from learner.plan.scheduler import Scheduler
-from learner.tasks import Problem, Task
+from learner.tasks import Problem, Task, step_seed
 from learner.tasks.environment import episode_rules
 from learner.train.models import Policy
 from p2p.host import BadRequest, Misbehaviour

@@ -9,7 +9,6 @@ Representations from the wire to the loss (docs/design.md, "One rollout from lea
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass, field
 
@@ -61,11 +60,6 @@ class ScoredGroup:
 
 def has_signal(group: list[Rollout]) -> bool:
     return len({r.reward for r in group}) > 1
-
-
-def step_seed(seed: int, index: int) -> int:
-    """A 63-bit seed for step (or prompt group) `index` of a run seeded `seed`, stable across processes."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 1
 
 
 def score_groups(

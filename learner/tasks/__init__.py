@@ -7,11 +7,17 @@ reward returns (a user's jsonl reward included) is made finite and clamped to +-
 
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from envs.calculator import last_integer  # noqa: F401 - the tasks' answer parser too
+
+
+def step_seed(seed: int, index: int) -> int:
+    """A 63-bit seed for step (or prompt group) `index` of a run seeded `seed`, stable across processes."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 1
 
 
 @dataclass(frozen=True)

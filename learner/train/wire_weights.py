@@ -1,7 +1,7 @@
 """The learner's weights in wire form: names as workers know them, 16-bit or float32 numpy arrays.
 
 The one path from a torch model to what leaves the learner: the publisher's versions, the co-located
-sampler's weights and the benchmarks all go through `wire_tensors`.
+sampler's weights (`send_to_sampler`) and the benchmarks all go through `wire_tensors`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from p2p.config import ConfigError
-from p2p.messages import is_adapter
+from p2p.messages import Engine, ModelSpec, is_adapter
 
 
 def wire_state(
@@ -64,3 +64,12 @@ def wire_tensors(
 def wire_dtypes(tensors: dict[str, np.ndarray]) -> dict[str, str]:
     """The dtype names a version's manifest gives its tensors where numpy cannot say: uint16 arrays are bf16."""
     return {name: "bf16" for name, a in tensors.items() if a.dtype == np.uint16}
+
+
+def send_to_sampler(engine: Engine, spec: ModelSpec, model: torch.nn.Module, adapters_only: bool = False) -> None:
+    """Load `model`'s weights into an engine in this process (float32, as trained): the whole policy, or with
+    `adapters_only` (a LoRA run after its first load) only the adapters, hot-swapped on the loaded base."""
+    if adapters_only:
+        engine.load_adapters(spec, wire_tensors(model, adapter_only=True))
+    else:
+        engine.load_policy(spec, wire_tensors(model))

@@ -1,5 +1,5 @@
-"""Inference engines. Each has `generate(requests, params)`, `backend()` (what it computes on, for the
-heartbeat) and two ways to change its weights:
+"""Inference engines, each keeping p2p.messages.Engine: `generate(requests, params)`, `backend()` (what it
+computes on, for the heartbeat) and two ways to change its weights:
 
 - `stage(spec, weights, adapters)` prepares a version beside the live one (safe while generate() runs on
   another thread), `install(staged)` swaps it in between leases, `discard(staged)` frees one not used;
@@ -32,6 +32,13 @@ def make_engine(
 
         return TransformersEngine(threads=threads, max_batch=max_batch, device=device)
     raise ValueError(f"unknown engine {name!r}; choose llamacpp or transformers")
+
+
+def sampler_engine(sampler: Any, device: str, work_dir: str | Path) -> Any:
+    """The engine a co-located run, the Python API or `echo-rl eval` samples with: a learner's [sampler]
+    section (engine, threads, max_batch, gpu_layers) on the learner's `device` (llama.cpp offloads its
+    layers to a GPU when built with one, transformers runs on `device`)."""
+    return make_engine(sampler.engine, work_dir, sampler.threads, sampler.max_batch, sampler.gpu_layers, device)
 
 
 def generate_lease(
