@@ -9,19 +9,24 @@ against, so that one file shows the whole protocol (the broadcast's own messages
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
+MAX_HF_CONFIG = 1 << 16  # bytes of a model's config.json on the wire (real ones are 1-10 KB)
+
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Everything a worker needs to run a llama-architecture policy besides its tensors.
+    """Everything a worker needs to run a policy besides its tensors.
 
-    The tokenizer is carried as a byte-level BPE vocabulary so that llama.cpp can load the model;
-    workers never tokenize text themselves (prompts arrive as token ids).
+    `hf_config` is the model's transformers config.json, from which the transformers engine rebuilds any
+    causal LM family (AutoModelForCausalLM.from_config); the architecture fields below it are what the
+    llama.cpp engine's GGUF writer reads. The tokenizer is carried as a byte-level BPE vocabulary so that
+    llama.cpp can load the model; workers never tokenize text themselves (prompts arrive as token ids).
     """
 
     name: str
@@ -44,13 +49,32 @@ class ModelSpec:
     tokenizer_pre: str = "default"
     lora_rank: int = 0  # > 0: versions after the first carry only LoRA adapters (see learner.train.lora)
     lora_alpha: float = 0.0  # an adapter adds (lora_alpha / lora_rank) * B A to its weight
+    hf_config: str = ""  # the model's config.json (JSON text); "" from a learner before model families
+
+    @property
+    def model_type(self) -> str:
+        """transformers' name of the architecture (llama, qwen3, gemma3_text, ...)."""
+        return str(self.config().get("model_type", "llama"))
+
+    def config(self) -> dict:
+        """hf_config parsed: {} where the learner sent none (a llama spec, described by the fields above)."""
+        return json.loads(self.hf_config) if self.hf_config else {}
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelSpec:
-        return cls(**data)
+        spec = cls(**data)
+        if not isinstance(spec.hf_config, str) or len(spec.hf_config) > MAX_HF_CONFIG:
+            raise TypeError(f"hf_config must be JSON text of at most {MAX_HF_CONFIG} bytes")
+        try:
+            config = spec.config()
+        except (ValueError, RecursionError):
+            raise TypeError("hf_config is not JSON") from None
+        if not isinstance(config, dict) or not isinstance(config.get("model_type", ""), str):
+            raise TypeError("hf_config is not a config.json object with a model_type")
+        return spec
 
 
 def is_adapter(name: str) -> bool:
@@ -114,7 +138,8 @@ class Engine(Protocol):
     counter-based draws (worker.sampling) with its behaviour logprobs; `stage` prepares a version beside
     the live one (safe while generate() runs on another thread), `install` swaps it in between leases,
     `discard` frees one not used; `load_policy` (float weights, LoRA adapters among them merged in) and
-    `load_adapters` (hot-swapped on the loaded base) stage and install at once."""
+    `load_adapters` (hot-swapped on the loaded base) stage and install at once; `unsupported` says why the
+    engine cannot run a model (None: it can), before any weights are fetched."""
 
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]: ...
 
@@ -131,6 +156,8 @@ class Engine(Protocol):
     def load_adapters(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None: ...
 
     def backend(self) -> dict[str, str | int]: ...
+
+    def unsupported(self, spec: ModelSpec) -> str | None: ...
 
 
 def sampled_count(n_tokens: int, spans: list[int]) -> int:

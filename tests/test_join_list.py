@@ -21,6 +21,7 @@ from p2p.identity import peer_id_of
 from p2p.messages import SPEC, ModelSpec, SpecReply
 from worker.config import WorkerConfig
 from worker.daemon import WorkerDaemon
+from worker.engines.hf import TransformersEngine
 
 WAIT = 60.0  # seconds any wait below may take on a loaded machine before the test fails (never reached)
 
@@ -210,7 +211,7 @@ def test_the_worker_gets_the_spec_at_once_and_survives_a_garbage_peer_list(hosts
     learner.handle(JOIN, lambda peer, msg: {"peers": garbage})
     learner.handle(SPEC, lambda peer, msg: SpecReply("run", tiny_spec(), 2).to_wire())
     daemon = WorkerDaemon(WorkerConfig(learner=learner.addrs[0], poll_s=30.0))
-    daemon.host = hosts()
+    daemon.host, daemon.engine = hosts(), TransformersEngine(threads=1)  # it checks it can run the spec
     daemon.peer = BroadcastPeer(daemon.host, ChunkStore(), learner.addrs[0])
     try:
         daemon._join()

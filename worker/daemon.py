@@ -181,6 +181,8 @@ class WorkerDaemon:
         self.state = "joining"
         authenticate(self.host, self.cfg.learner, self.secret)
         reply = SpecReply.from_wire(self._request(SPEC, {}))
+        if reason := self.engine.unsupported(reply.spec):
+            raise ConfigError(reason)
         self._join_swarm()
         if reply.group_size > self.cfg.max_batch:
             raise ConfigError(

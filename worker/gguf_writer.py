@@ -24,6 +24,26 @@ def permute_for_llamacpp(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def unsupported_by_writer(spec: ModelSpec) -> str | None:
+    """Why `spec`'s model cannot be written as a llama GGUF here (None: it can): another family, or a llama
+    variant whose extra tensors or rope scaling this writer does not carry."""
+    config = spec.config()
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    variant = [
+        f"{spec.model_type} architecture" if spec.model_type not in ("llama", "mistral") else "",
+        f"{rope.get('rope_type')} rope scaling" if rope.get("rope_type", "default") != "default" else "",
+        "attention biases" if config.get("attention_bias") else "",
+        "MLP biases" if config.get("mlp_bias") else "",
+        "sliding-window attention" if config.get("sliding_window") else "",
+    ]
+    if any(variant):
+        return (
+            f"the llama.cpp engine does not run this model yet ({', '.join(v for v in variant if v)}): "
+            "use --engine transformers"
+        )
+    return None
+
+
 @functools.cache
 def _name_map(num_layers: int) -> gguf.TensorNameMap:
     return gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, num_layers)

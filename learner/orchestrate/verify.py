@@ -59,7 +59,14 @@ import numpy as np
 import torch
 
 from learner.orchestrate.rollouts import Rollout
-from learner.train.trainer import model_device, nucleus_masks, pack_completions, sampled, sampled_logprobs
+from learner.train.trainer import (
+    head_logits,
+    model_device,
+    nucleus_masks,
+    pack_completions,
+    sampled,
+    sampled_logprobs,
+)
 from p2p.draws import uniforms
 from p2p.messages import is_adapter
 from p2p.weights import lora_deltas, to_float32
@@ -104,7 +111,7 @@ def replay_sampling(
     logprobs, misses = [], []
     for start in range(0, len(targets), ROWS_PER_BLOCK):  # bounded memory for long completions
         block = slice(start, start + ROWS_PER_BLOCK)
-        logp = torch.log_softmax(model.lm_head(hidden[block]).double() / temperature, dim=-1)  # [n, V]
+        logp = torch.log_softmax(head_logits(model, hidden[block]).double() / temperature, dim=-1)  # [n, V]
         nuclei = [None] if top_p >= 1.0 else list(nucleus_masks(logp, top_p))
         t = targets[block][:, None]  # [n, 1]
         lp_rows, miss_rows = [], []
@@ -134,7 +141,7 @@ def greedy_gaps(model: torch.nn.Module, batch: list[Rollout]) -> torch.Tensor:
     gaps = []
     for start in range(0, len(targets), ROWS_PER_BLOCK):
         block = slice(start, start + ROWS_PER_BLOCK)
-        logits = model.lm_head(hidden[block]).double()  # [n, V]
+        logits = head_logits(model, hidden[block]).double()  # [n, V]
         gaps.append(logits.max(dim=-1).values - logits.gather(1, targets[block][:, None])[:, 0])
     return torch.cat(gaps).cpu()  # [N]
 

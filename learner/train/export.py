@@ -61,13 +61,13 @@ def save_peft_adapters(policy: Policy, out: Path, base_path: Path) -> None:
     base model saved at `base_path`: `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)`."""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
-    from learner.train.lora import LORA_TARGETS
+    from learner.train.lora import lora_targets
 
+    base = plain_model(policy, base_state(policy))
     config = LoraConfig(
-        r=policy.lora_rank, lora_alpha=policy.lora_alpha, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
+        r=policy.lora_rank, lora_alpha=policy.lora_alpha, target_modules=lora_targets(base), lora_dropout=0.0,
         bias="none", task_type="CAUSAL_LM",
     )  # fmt: skip
-    base = plain_model(policy, base_state(policy))
     base.name_or_path = str(base_path)  # what peft writes as the adapters' base model
     wrapped = get_peft_model(base, config)
     trained = get_peft_model_state_dict(policy.model)  # names relative to the model: prefix them as peft saves

@@ -12,12 +12,21 @@ from __future__ import annotations
 
 import torch
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+def lora_targets(model: torch.nn.Module) -> list[str]:
+    """The projections that get adapters: every linear layer of the decoder, by its name in the layer (llama:
+    q, k, v, o, gate, up and down_proj; Phi-3: qkv_proj and gate_up_proj), the output layer not. A MoE's
+    experts are fused 3-D parameters in transformers 5, not linear layers: there only attention gets them."""
+    heads = {id(model.get_output_embeddings())}
+    return sorted(
+        {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+         and id(m) not in heads and not name.endswith("lm_head")}
+    )  # fmt: skip
 
 
 def add_lora(model: torch.nn.Module, rank: int, alpha: float) -> None:
     """Inject rank-`rank` adapters into every attention and MLP projection and freeze everything else."""
     from peft import LoraConfig, inject_adapter_in_model  # only LoRA runs pay for importing peft
 
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(LORA_TARGETS), lora_dropout=0.0, bias="none")
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=lora_targets(model), lora_dropout=0.0, bias="none")
     inject_adapter_in_model(config, model)

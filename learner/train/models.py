@@ -1,7 +1,8 @@
 """Policy models the learner trains: the bundled SmolLM2-135M, a tiny random Llama, or a local model.
 
-Every model is a transformers `LlamaForCausalLM` in float32 with a byte-level BPE tokenizer that has a
-chat template. `model_spec` says what a worker needs to rebuild it (learner.train.wire_weights: its weights).
+Every model is a transformers causal LM (any family AutoModelForCausalLM knows: Llama, Qwen2/3, Qwen3-MoE,
+Mistral, Gemma 3, Phi-3, OLMo 2, ...) in float32 with a byte-level BPE tokenizer that has a chat template.
+`model_spec` says what a worker needs to rebuild it (learner.train.wire_weights: its weights).
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 from envs.chat import ChatFormat
 from learner.config import ModelConfig
@@ -39,7 +47,7 @@ class ModelError(ValueError):
 class Policy:
     """A trainable model with its tokenizer and the facts workers need about it."""
 
-    model: LlamaForCausalLM
+    model: PreTrainedModel
     tokenizer: PreTrainedTokenizerFast
     name: str
     tokenizer_pre: str = "default"
@@ -78,16 +86,21 @@ def load_policy(name: str, cache_dir: str | Path, seed: int = 0) -> Policy:
     if path.is_file() and path.suffix == ".gguf":
         return _from_gguf(path.parent, path.name, name)
     if path.is_dir() and (path / "config.json").exists():
-        _check_llama(json.loads((path / "config.json").read_text()).get("model_type"), name)
+        _check_causal_lm(json.loads((path / "config.json").read_text()).get("model_type"), name)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(path)
         return _finish(Policy(model, tokenizer, path.name))
     raise ModelError(f"model path {name!r} is neither a .gguf file nor a folder with config.json")
 
 
-def _check_llama(model_type: str | None, name: str) -> None:
-    if model_type != "llama":
-        raise ModelError(f"model {name!r} has architecture {model_type!r}; echo-rl supports llama models only")
+def _check_causal_lm(model_type: str | None, name: str) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelError(
+            f"model {name!r} has architecture {model_type!r}, which is not a causal language model transformers "
+            f"{transformers.__version__} knows; a vision-language checkpoint needs its text model saved on its own"
+        )
 
 
 def _smollm2_policy(cache_dir: Path) -> Policy:
@@ -123,7 +136,8 @@ def _from_gguf(folder: Path, filename: str, name: str) -> Policy:
 
     reader = gguf.GGUFReader(folder / filename)
     arch = reader.fields.get("general.architecture")
-    _check_llama(bytes(arch.parts[arch.data[0]]).decode() if arch else None, name)
+    if arch is None or bytes(arch.parts[arch.data[0]]).decode() != "llama":
+        raise ModelError(f"model {name!r}: echo-rl reads llama GGUF files only; pass the model's HF folder instead")
     pre = reader.fields.get("tokenizer.ggml.pre")
     tokenizer_pre = bytes(pre.parts[pre.data[0]]).decode() if pre else "default"
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
@@ -209,17 +223,19 @@ def model_spec(policy: Policy) -> ModelSpec:
     merges = [m if isinstance(m, str) else " ".join(m) for m in bpe.get("merges", [])]
     eos = eos_ids(policy)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    rope_theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # gemma3: one set per layer type
+    rope_theta = getattr(cfg, "rope_theta", None) or rope.get("rope_theta", 10000.0)
     return ModelSpec(
         name=policy.name,
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
+        intermediate_size=getattr(cfg, "intermediate_size", None) or 0,
         num_layers=cfg.num_hidden_layers,
         num_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(cfg.rms_norm_eps),
+        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", None) or 1e-5),
         rope_theta=float(rope_theta),
         max_position=cfg.max_position_embeddings,
         tie_embeddings=bool(cfg.tie_word_embeddings),
@@ -231,6 +247,7 @@ def model_spec(policy: Policy) -> ModelSpec:
         tokenizer_pre=policy.tokenizer_pre,
         lora_rank=policy.lora_rank,
         lora_alpha=policy.lora_alpha,
+        hf_config=cfg.to_json_string(use_diff=False),
     )
 
 

@@ -319,13 +319,21 @@ def completion_logprobs(
 HEAD_ROWS = 256  # completion positions through the output layer at once under gradient checkpointing
 
 
+def head_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's output layer on final hidden states [N, H] -> logits [N, V], as its own forward computes
+    them: lm_head, then the family's final soft-capping where it has one (Gemma 2: c tanh(z / c))."""
+    logits = model.lm_head(hidden)  # [N, V]
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return logits if not cap else torch.tanh(logits / cap) * cap
+
+
 def token_logprobs(
     model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: float
 ) -> torch.Tensor:
     """log pi(target) from final hidden states [N, H] and targets [N] (see completion_logprobs): [N]."""
     head = model.lm_head
     with torch.autocast(hidden.device.type, enabled=False):  # the output layer in the weights' own precision
-        logits = head(hidden.to(head.weight.dtype)).float() / temperature  # [N, V]
+        logits = head_logits(model, hidden.to(head.weight.dtype)).float() / temperature  # [N, V]
     logp = torch.log_softmax(logits, dim=-1)  # [N, V]
     if top_p < 1.0:
         strict, _ = nucleus_masks(logp.detach(), top_p)  # [N, V]

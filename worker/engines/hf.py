@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from p2p.config import ConfigError
 from p2p.draws import uniforms
@@ -20,7 +20,13 @@ from p2p.weights import lora_deltas, to_float32
 from worker.sampling import sample_next
 
 
-def llama_config(spec: ModelSpec) -> LlamaConfig:
+def model_config(spec: ModelSpec) -> PretrainedConfig:
+    """The transformers config `spec` describes: its config.json (any family), or the llama fields of a spec
+    from a learner that sends none."""
+    config = spec.config()
+    if config:
+        config.pop("transformers_version", None)
+        return AutoConfig.for_model(config.pop("model_type"), **config)
     return LlamaConfig(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -61,7 +67,8 @@ class TransformersEngine:
         self.threads = threads
         self.max_batch = max_batch
         self.device = engine_device(device)
-        self.model: LlamaForCausalLM | None = None
+        self.model: PreTrainedModel | None = None
+        self.hf_config: str | None = None  # the spec the model was built from
         self.eos_ids: set[int] = set()
         self.base: dict[str, torch.Tensor] = {}  # the weights as loaded, before LoRA adapters
 
@@ -88,9 +95,17 @@ class TransformersEngine:
     @torch.no_grad()
     def install(self, staged: StagedWeights) -> None:
         spec = staged.spec
-        if self.model is None or self.model.config.to_dict() != llama_config(spec).to_dict():
-            self.model = LlamaForCausalLM(llama_config(spec)).to(self.device).eval()
-        self.model.load_state_dict(staged.params, strict=False)
+        if self.model is None or self.hf_config != spec.hf_config:
+            if not staged.new_base:
+                raise RuntimeError("adapters for another model than the loaded one: stage its weights first")
+            model = AutoModelForCausalLM.from_config(model_config(spec), dtype=torch.float32)
+            self.model, self.hf_config = model.to(self.device).eval(), spec.hf_config
+        missing, unexpected = self.model.load_state_dict(staged.params, strict=False)
+        if staged.new_base and spec.tie_embeddings:
+            missing = [n for n in missing if n != "lm_head.weight"]
+        if unexpected or (staged.new_base and missing):
+            raise RuntimeError(f"the weights do not fit the {spec.model_type} model: missing {missing[:3]}, "
+                               f"unexpected {unexpected[:3]}")  # fmt: skip
         if staged.new_base:
             self.base = staged.base  # kept only where adapters will be merged onto it
             if spec.tie_embeddings:
@@ -109,6 +124,14 @@ class TransformersEngine:
     def load_adapters(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None:
         """Merge LoRA adapters into the loaded base."""
         self.install(self.stage(spec, None, tensors))
+
+    def unsupported(self, spec: ModelSpec) -> str | None:
+        """Why this engine cannot run `spec`'s model: one transformers does not know as a causal LM."""
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if spec.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            return f"the learner's model is a {spec.model_type!r}, which this worker's transformers cannot build"
+        return None
 
     def backend(self) -> dict[str, str | int]:
         """What this engine computes on, for the heartbeat (worker.hardware)."""

@@ -23,7 +23,7 @@ from p2p.config import ConfigError
 from p2p.draws import uniforms
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams, is_adapter
 from p2p.weights import to_float32
-from worker.gguf_writer import GGUFLayout, gguf_arrays, write_gguf, write_lora_gguf
+from worker.gguf_writer import GGUFLayout, gguf_arrays, unsupported_by_writer, write_gguf, write_lora_gguf
 from worker.sampling import sample_next
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,8 @@ class LlamaCppEngine:
         Wire tensors as they are (f16 goes into the F16 GGUF without a float32 round trip) or floats."""
         model = None
         if weights is not None:
+            if reason := self.unsupported(spec):
+                raise ConfigError(reason)
             weights = {name: a if a.dtype == np.float16 else to_float32(a) for name, a in weights.items()}
             model = self._load_model(self._write(spec, weights))
         adapter = None
@@ -203,6 +205,10 @@ class LlamaCppEngine:
         if not model:
             raise RuntimeError(f"llama.cpp could not load {path}: is it a valid GGUF of a llama model?")
         return model
+
+    def unsupported(self, spec: ModelSpec) -> str | None:
+        """Why this engine cannot run `spec`'s model (worker.gguf_writer writes llama-architecture GGUFs)."""
+        return unsupported_by_writer(spec)
 
     def backend(self) -> dict[str, str | int]:
         """What this engine computes on, for the heartbeat: the GPU backend when layers are offloaded."""

@@ -1,0 +1,133 @@
+"""Every model family a user brings (tests/families.py: tiny random Qwen3, Qwen2, Qwen3-MoE, Llama, Llama 3,
+Mistral, Gemma 3, Phi-3, OLMo 2) loads as a policy, trains, and is rebuilt by the transformers engine from the
+spec alone, which samples from the same distribution the learner scores; the llama.cpp engine says which
+ones it does not run yet."""
+
+import numpy as np
+import pytest
+import torch
+
+from learner.config import GRPOConfig
+from learner.orchestrate.rollouts import Rollout
+from learner.train.lora import add_lora
+from learner.train.models import load_policy, model_spec
+from learner.train.trainer import GRPOTrainer, completion_logprobs
+from learner.train.wire_weights import send_to_sampler, wire_tensors
+from p2p.messages import GenerationRequest, ModelSpec, SamplingParams, SpecReply
+from tests.conftest import run_cli
+from tests.families import FAMILIES, save_family
+from worker.engines.hf import TransformersEngine
+from worker.engines.llamacpp import LlamaCppEngine
+
+LLAMACPP_RUNS = {"llama", "mistral"}  # what worker.gguf_writer writes today (the rest: the converter, next)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    folder = save_family(request.param, tmp_path_factory.mktemp(request.param))
+    return request.param, folder
+
+
+def sample_and_score(policy, engine, temperature=0.9):
+    """Two prompts, three completions each, from `engine`; their behaviour logprobs against the learner's."""
+    prompts = [policy.render_prompt(f"What is {i} + 2?") for i in range(2)]
+    groups = engine.generate([GenerationRequest(p, 3, k) for k, p in enumerate(prompts)],
+                             SamplingParams(temperature, 1.0, 10, 11))  # fmt: skip
+    pairs = zip(prompts, groups, strict=True)
+    rollouts = [Rollout(p, c.tokens, c.logprobs, float(j % 2)) for p, g in pairs for j, c in enumerate(g)]
+    with torch.no_grad():
+        ref = completion_logprobs(policy.model, rollouts, temperature=temperature).numpy()
+    ours = np.array([lp for r in rollouts for lp in r.behaviour_logprobs])
+    return rollouts, np.abs(ours - ref).max()
+
+
+def test_a_family_trains_and_the_transformers_engine_samples_what_the_learner_scores(family):
+    name, folder = family
+    policy = load_policy(str(folder), "unused")
+    spec = ModelSpec.from_dict(SpecReply.from_wire(SpecReply("r", model_spec(policy), 3).to_wire()).spec.to_dict())
+    engine = TransformersEngine(threads=2)
+    assert engine.unsupported(spec) is None
+    send_to_sampler(engine, spec, policy.model)
+    assert type(engine.model) is type(policy.model)  # rebuilt from config.json: the same family
+    rollouts, gap = sample_and_score(policy, engine)
+    assert gap < 1e-4, f"{name}: behaviour logprobs off by {gap}"
+    for r in rollouts:
+        r.advantage = r.reward - 0.5
+    before = wire_tensors(policy.model)  # a copy
+    stats = GRPOTrainer(policy.model, GRPOConfig(lr=1e-2, skip_equal_groups=False), temperature=0.9).step(rollouts)
+    assert stats["trained_tokens"] > 0 and np.isfinite(stats["loss"])
+    after = wire_tensors(policy.model)
+    assert any(not np.array_equal(before[n], after[n]) for n in before)
+    send_to_sampler(engine, spec, policy.model)  # the new version, into the same model
+    assert sample_and_score(policy, engine)[1] < 1e-4
+
+
+def test_a_family_trains_lora_adapters_the_engine_merges(family):
+    name, folder = family
+    policy = load_policy(str(folder), "unused")
+    add_lora(policy.model, 4, 8.0)
+    policy.lora_rank, policy.lora_alpha = 4, 8.0
+    spec = model_spec(policy)
+    engine = TransformersEngine(threads=2)
+    send_to_sampler(engine, spec, policy.model)
+    rollouts, _ = sample_and_score(policy, engine)
+    for r in rollouts:
+        r.advantage = r.reward - 0.5
+    GRPOTrainer(policy.model, GRPOConfig(lr=5e-2, skip_equal_groups=False), temperature=0.9).step(rollouts)
+    adapters = wire_tensors(policy.model, adapter_only=True)
+    assert adapters and any(np.abs(a).max() > 0 for n, a in adapters.items() if n.endswith("lora_B.weight"))
+    send_to_sampler(engine, spec, policy.model, adapters_only=True)  # merged onto the engine's base
+    assert sample_and_score(policy, engine)[1] < 1e-4, name
+
+
+def test_the_llamacpp_engine_runs_its_families_and_names_the_others(family, tmp_path):
+    name, folder = family
+    policy = load_policy(str(folder), "unused")
+    spec = model_spec(policy)
+    engine = LlamaCppEngine(tmp_path, threads=2, max_batch=8)
+    reason = engine.unsupported(spec)
+    if name not in LLAMACPP_RUNS:
+        assert reason and "--engine transformers" in reason
+        with pytest.raises(ValueError, match="--engine transformers"):
+            send_to_sampler(engine, spec, policy.model)
+        return
+    assert reason is None
+    send_to_sampler(engine, spec, policy.model)
+    assert sample_and_score(policy, engine)[1] < 5e-3  # F16 weights against float32
+    engine.close()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_a_colocated_run_trains_a_family(name, tmp_path):
+    """`echo-rl learner start --colocated --model DIR` on a Qwen3 (Gemma 3) folder trains with the transformers
+    engine and refuses the llama.cpp one with a one-line error saying what to use."""
+    folder = save_family(name, tmp_path / name)
+    common = ["learner", "start", "--colocated", "--model", str(folder), "--steps", "2", "--prompts-per-step", "2",
+              "--group-size", "2", "--max-new-tokens", "8"]  # fmt: skip
+    res = run_cli(*common, "--run-dir", str(tmp_path / "llamacpp"), "--engine", "llamacpp")
+    assert res.returncode != 0 and "--engine transformers" in res.stderr and "Traceback" not in res.stderr
+    res = run_cli(*common, "--run-dir", str(tmp_path / "run"), "--engine", "transformers")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2
+
+
+@pytest.mark.parametrize(
+    "hf_config", ["[" * 100_000 + "]" * 100_000, "x" * 70_000, "{not json", "[1, 2]", '{"model_type": 3}', 7]
+)
+def test_a_spec_with_a_broken_config_is_a_bad_message(tiny, hf_config):
+    """A learner's config.json that is too big, nested past Python's recursion limit, not JSON, or not a
+    config is refused as a malformed reply, never an exception out of the worker's join."""
+    from p2p.messages import MessageError
+
+    wire = SpecReply("r", model_spec(tiny), 2).to_wire()
+    wire["spec"]["hf_config"] = hf_config
+    with pytest.raises(MessageError, match="spec"):
+        SpecReply.from_wire(wire)
+
+
+def test_a_worker_refuses_a_model_its_engine_cannot_run(tiny, tmp_path):
+    """A spec of an architecture transformers does not know is named before any weights are fetched."""
+    data = model_spec(tiny).to_dict() | {"hf_config": '{"model_type": "no_such_family"}'}
+    spec = ModelSpec.from_dict(data)
+    assert "no_such_family" in TransformersEngine(threads=1).unsupported(spec)
+    assert "--engine transformers" in LlamaCppEngine(tmp_path, threads=1).unsupported(spec)
