@@ -376,6 +376,34 @@ def _map(msg: object, key: str) -> dict:
     return msg
 
 
+PROTOCOL = 2  # the worker protocol's version: 2 added model families (ModelSpec.hf_config); 1 had no number
+UPGRADE = "pip install -U echo-rl, or git pull && ./scripts/setup.sh in a checkout"
+
+
+@dataclass(frozen=True)
+class SpecRequest:
+    """/echo/spec/1 request: the worker protocol the worker speaks (a worker before versioning sends {})."""
+
+    protocol: int = PROTOCOL
+
+    def to_wire(self) -> dict:
+        return {"protocol": self.protocol}
+
+    @classmethod
+    def from_wire(cls, msg: dict) -> SpecRequest:
+        return cls(_int(msg, "protocol", 1, 1 << 16) if "protocol" in msg else 1)
+
+    def mismatch(self) -> str | None:
+        """Why a learner of this PROTOCOL cannot serve the worker (None: it can): one of them is older."""
+        if self.protocol == PROTOCOL:
+            return None
+        older = "worker" if self.protocol < PROTOCOL else "learner"
+        return (
+            f"the worker speaks protocol {self.protocol} and the learner {PROTOCOL}: upgrade echo-rl on the "
+            f"{older} ({UPGRADE})"
+        )
+
+
 @dataclass(frozen=True)
 class SpecReply:
     """/echo/spec/1 reply: the run's id (a new one when the learner restarts), the model, and G. `env`: a run
@@ -386,10 +414,11 @@ class SpecReply:
     spec: ModelSpec
     group_size: int
     env: dict | None = None
+    protocol: int = PROTOCOL  # the learner's (1: a learner before versioning, whose spec is a llama's)
 
     def to_wire(self) -> dict:
         out = {"run_id": self.run_id, "spec": self.spec.to_dict(), "group_size": self.group_size}
-        return out | ({"env": self.env} if self.env is not None else {})
+        return out | {"protocol": self.protocol} | ({"env": self.env} if self.env is not None else {})
 
     @classmethod
     def from_wire(cls, msg: dict) -> SpecReply:
@@ -405,7 +434,8 @@ class SpecReply:
             env = _map(env, "env")
             _map(env.get("spec"), "env.spec")
             _map(env.get("chat"), "env.chat")
-        return cls(run_id, spec, _int(msg, "group_size", 1, 1 << 16), env)
+        protocol = _int(msg, "protocol", 1, 1 << 16) if "protocol" in msg else 1
+        return cls(run_id, spec, _int(msg, "group_size", 1, 1 << 16), env, protocol)
 
 
 @dataclass(frozen=True)
@@ -511,7 +541,7 @@ class HeartbeatReply:
 
 
 # Protocols between workers and the learner (the broadcast ones are in p2p.broadcast).
-SPEC = "/echo/spec/1"  # {} -> SpecReply
+SPEC = "/echo/spec/1"  # SpecRequest -> SpecReply
 LEASE = "/echo/lease/1"  # LeaseRequest -> LeaseReply
 ROLLOUT = "/echo/rollout/1"  # RolloutSubmission -> RolloutReply
 HEARTBEAT = "/echo/heartbeat/1"  # Heartbeat -> HeartbeatReply

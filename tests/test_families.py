@@ -131,3 +131,20 @@ def test_a_worker_refuses_a_model_its_engine_cannot_run(tiny, tmp_path):
     spec = ModelSpec.from_dict(data)
     assert "no_such_family" in TransformersEngine(threads=1).unsupported(spec)
     assert "--engine transformers" in LlamaCppEngine(tmp_path, threads=1).unsupported(spec)
+
+
+def test_the_spec_protocol_is_versioned(tiny):
+    """A worker before versioning (it sends {}) is told to upgrade; a reply from a learner before versioning
+    (no number) still reads, as a llama spec; a bad number is a malformed message."""
+    from p2p.messages import PROTOCOL, MessageError, SpecRequest
+
+    assert SpecRequest.from_wire(SpecRequest().to_wire()).mismatch() is None
+    assert "upgrade echo-rl on the worker" in SpecRequest.from_wire({}).mismatch()
+    assert "upgrade echo-rl on the learner" in SpecRequest.from_wire({"protocol": PROTOCOL + 1}).mismatch()
+    for bad in ([2], "2", -1, 1 << 40):
+        with pytest.raises(MessageError):
+            SpecRequest.from_wire({"protocol": bad})
+    old = SpecReply("r", model_spec(tiny), 2).to_wire()
+    del old["protocol"], old["spec"]["hf_config"]
+    reply = SpecReply.from_wire(old)
+    assert reply.protocol == 1 and reply.spec.model_type == "llama"

@@ -35,8 +35,10 @@ from p2p.identity import load_identity
 from p2p.messages import (
     HEARTBEAT,
     LEASE,
+    PROTOCOL,
     ROLLOUT,
     SPEC,
+    UPGRADE,
     GroupSubmission,
     Heartbeat,
     HeartbeatReply,
@@ -48,6 +50,7 @@ from p2p.messages import (
     RolloutReply,
     RolloutSubmission,
     SpecReply,
+    SpecRequest,
     describe_hardware,
     sampled_count,
 )
@@ -180,7 +183,12 @@ class WorkerDaemon:
         """Authenticate, read the model spec, join the swarm; a new run gets a new fetcher."""
         self.state = "joining"
         authenticate(self.host, self.cfg.learner, self.secret)
-        reply = SpecReply.from_wire(self._request(SPEC, {}))
+        reply = SpecReply.from_wire(self._request(SPEC, SpecRequest().to_wire()))
+        if reply.protocol > PROTOCOL:  # a learner before versioning (1) sends a llama spec we still run
+            raise ConfigError(
+                f"the learner speaks protocol {reply.protocol} and this worker {PROTOCOL}: upgrade echo-rl on the "
+                f"worker ({UPGRADE})"
+            )
         if reason := self.engine.unsupported(reply.spec):
             raise ConfigError(reason)
         self._join_swarm()

@@ -48,6 +48,7 @@ from p2p.messages import (
     ModelSpec,
     SamplingParams,
     SpecReply,
+    SpecRequest,
     describe_hardware,
 )
 
@@ -79,17 +80,11 @@ class LearnerService:
         self.leases.requeued.extend(resumed.unreturned())
         # pull mode uses every worker: each lease there waits for the newest version, which the model does not cover
         self.autoscale = swarm.autoscale and swarm.sync_mode == "async"
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                rollouts_per_step=grpo.prompts_per_step * grpo.group_size,
-                publish_every=swarm.publish_every,
-                staleness=swarm.staleness,
-                margin=swarm.margin,
-                silence_s=swarm.worker_silence,
-                max_groups_per_lease=swarm.groups_per_lease,
-                lease_timeout_s=swarm.lease_timeout,
-            )
-        )
+        self.scheduler = Scheduler(SchedulerConfig(
+            rollouts_per_step=grpo.prompts_per_step * grpo.group_size, publish_every=swarm.publish_every,
+            staleness=swarm.staleness, margin=swarm.margin, silence_s=swarm.worker_silence,
+            max_groups_per_lease=swarm.groups_per_lease, lease_timeout_s=swarm.lease_timeout,
+        ))  # fmt: skip
         self._sched_lock = threading.Lock()  # handlers run on several threads; the scheduler is not thread-safe
         self.admission = LeaseAdmission(
             self.scheduler, swarm.sync_mode, swarm.staleness, swarm.prefetch_batches, self.autoscale
@@ -198,6 +193,8 @@ class LearnerService:
         return record
 
     def _on_spec(self, peer: str, msg: dict) -> dict:
+        if reason := SpecRequest.from_wire(msg).mismatch():  # an older (or newer) echo-rl: no penalty
+            raise BadRequest(reason)
         self._worker(peer)
         return SpecReply(self.run_id, self.spec, self.cfg.grpo.group_size, self.env_wire).to_wire()
 

@@ -49,6 +49,7 @@ from p2p.messages import (
     ModelSpec,
     RolloutSubmission,
     SamplingParams,
+    SpecRequest,
 )
 from p2p.versions import float_tensors
 from p2p.wire import HEADER
@@ -88,7 +89,7 @@ class Adversary:
         self.tries = tries
         self.hosts: list[Host] = []
         self.observer = self.fresh()
-        self.spec = ModelSpec.from_dict(self.observer.request(self.learner, SPEC, {})["spec"])
+        self.spec = ModelSpec.from_dict(self.observer.request(self.learner, SPEC, SpecRequest().to_wire())["spec"])
         self.engine: TransformersEngine | None = None
         self.version = -1
 
@@ -192,6 +193,16 @@ class Adversary:
                 lambda: self._raw(frame(b"\x81\xa1a" + b"\x91" * 3000 + b"\xc0")),
             ),
             ("a frame that is not a map", "'bad frame' penalty", lambda: self._raw(frame(msgpack.packb(7)))),
+            (
+                "a worker of the protocol before versioning asks for the spec",
+                "refused: 'upgrade echo-rl on the worker', no penalty",
+                lambda: self._spec_request({}, "upgrade echo-rl on the worker", penalised=False),
+            ),
+            (
+                "a spec request whose protocol is a list",
+                "refused, a penalty",
+                lambda: self._spec_request({"protocol": [2]}, "'protocol' must be an integer", penalised=True),
+            ),
             ("unknown frame flags", "'bad frame' penalty", lambda: self._raw(struct.pack(">IB", 4, 0x80) + b"abcd")),
             (
                 "truncated frame, then our side closed",
@@ -334,6 +345,17 @@ class Adversary:
             outcomes.append(outcome)
             report(outcome)
         return outcomes
+
+    def _spec_request(self, msg: dict, expected: str, penalised: bool) -> tuple[str, bool, dict]:
+        host = self.fresh()
+        before = sum(self.status()["penalties"].values())
+        try:
+            host.request(self.learner, SPEC, msg)
+            answer = "answered"
+        except RemoteError as exc:
+            answer = str(exc)
+        added = sum(self.status()["penalties"].values()) - before
+        return f"{answer[:120]!r}, {added} penalties", expected in answer and (added > 0) == penalised, {}
 
     def _raw(self, data: bytes, close: bool = False) -> tuple[str, bool, dict]:
         host = self.fresh()
