@@ -110,10 +110,16 @@ def export_checkpoint(cfg: object, checkpoint: Path, fmt: str, adapters: bool, o
     from learner.train.export import merge_adapters, save_hf, save_peft_adapters
     from learner.train.models import load_run_policy, model_spec
     from learner.train.wire_weights import wire_tensors
+    from p2p.config import ConfigError
     from p2p.messages import is_adapter
-    from worker.gguf_writer import write_gguf, write_lora_gguf
+    from worker.gguf_writer import unsupported_by_writer, write_gguf, write_lora_gguf
 
     policy = load_run_policy(cfg.model, cfg.run.seed)
+    if fmt == "gguf" and (reason := unsupported_by_writer(model_spec(policy))):
+        raise ConfigError(
+            f"--format gguf does not write this model yet ({reason}): export --format hf and convert that "
+            "folder with llama.cpp's convert_hf_to_gguf.py"
+        )
     load_weights(checkpoint, policy.model)
     if policy.lora_rank and not adapters:
         merge_adapters(policy)

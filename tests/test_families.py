@@ -106,9 +106,28 @@ def test_a_colocated_run_trains_a_family(name, tmp_path):
               "--group-size", "2", "--max-new-tokens", "8"]  # fmt: skip
     res = run_cli(*common, "--run-dir", str(tmp_path / "llamacpp"), "--engine", "llamacpp")
     assert res.returncode != 0 and "--engine transformers" in res.stderr and "Traceback" not in res.stderr
-    res = run_cli(*common, "--run-dir", str(tmp_path / "run"), "--engine", "transformers")
+    run_dir = tmp_path / "run"
+    res = run_cli(*common, "--run-dir", str(run_dir), "--engine", "transformers", "--lora-rank", "4", "--lr", "5e-2")
     assert res.returncode == 0, res.stderr[-2000:]
-    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2
+    assert (run_dir / "metrics.jsonl").read_text().count("\n") == 2
+    # exports: a transformers folder with the adapters merged, and the base with peft adapters beside it
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_research import checkpoint_policy, logits_of
+
+    model, ids = checkpoint_policy(run_dir, None)
+    for adapters in (False, True):
+        out = tmp_path / f"hf-{adapters}"
+        res = run_cli("export", str(run_dir), "--format", "hf", "--out", str(out), *(["--adapters"] * adapters))
+        assert res.returncode == 0, res.stderr[-2000:]
+        loaded = AutoModelForCausalLM.from_pretrained(out)
+        if adapters:
+            loaded = PeftModel.from_pretrained(loaded, out / "adapter")
+        assert type(loaded.get_base_model() if adapters else loaded) is type(model)  # the family's class
+        assert np.abs(logits_of(loaded.eval(), ids) - logits_of(model, ids)).max() < 1e-5
+    res = run_cli("export", str(run_dir), "--format", "gguf", "--out", str(tmp_path / "gguf"))
+    assert res.returncode == 2 and "--format hf" in res.stderr and not (tmp_path / "gguf").exists()
 
 
 @pytest.mark.parametrize(
@@ -148,3 +167,24 @@ def test_the_spec_protocol_is_versioned(tiny):
     del old["protocol"], old["spec"]["hf_config"]
     reply = SpecReply.from_wire(old)
     assert reply.protocol == 1 and reply.spec.model_type == "llama"
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gemma3", "phi3", "mistral"])
+def test_a_swarm_trains_a_family_and_flags_no_honest_worker(name, swarm):
+    """A swarm run of the family's model: a transformers worker (and a llama.cpp one where that engine runs the
+    family) generate, every group of theirs is verified (verify_first covers the run), none is flagged, and the
+    weights move."""
+    folder = save_family(name, swarm.tmp / name)
+    both = name in LLAMACPP_RUNS  # --min-workers 2: no lease until both hold v0, or the first may do it all
+    learner = swarm.learner("--model", str(folder), "--steps", "4", "--publish-every", "1", "--verify-first", "1000",
+                            "--min-workers", "2" if both else "1")  # fmt: skip
+    swarm.worker("hf", "--engine", "transformers", "--max-groups", "1")
+    if both:
+        swarm.worker("llama", "--max-groups", "1")
+    assert swarm.wait(learner, 300) == 0, swarm.log("learner")[-3000:]
+    metrics = swarm.metrics()
+    assert len(metrics) == 4 and metrics[-1]["groups_dropped_flagged"] == 0
+    assert metrics[-1]["verification"]["groups"] >= metrics[-1]["groups_accepted"] > 0
+    assert "flagged" not in swarm.log("learner") and "Traceback" not in swarm.log("learner")
+    accepted = {w: r["groups_accepted"] for w, r in metrics[-1]["workers"].items()}
+    assert len(accepted) == (2 if both else 1) and min(accepted.values()) > 0, accepted

@@ -25,8 +25,8 @@ def permute_for_llamacpp(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def unsupported_by_writer(spec: ModelSpec) -> str | None:
-    """Why `spec`'s model cannot be written as a llama GGUF here (None: it can): another family, or a llama
-    variant whose extra tensors or rope scaling this writer does not carry."""
+    """What of `spec`'s model this writer cannot write as a llama GGUF (None: nothing): another family, or a
+    llama variant whose extra tensors or rope scaling it does not carry."""
     config = spec.config()
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     variant = [
@@ -36,12 +36,7 @@ def unsupported_by_writer(spec: ModelSpec) -> str | None:
         "MLP biases" if config.get("mlp_bias") else "",
         "sliding-window attention" if config.get("sliding_window") else "",
     ]
-    if any(variant):
-        return (
-            f"the llama.cpp engine does not run this model yet ({', '.join(v for v in variant if v)}): "
-            "use --engine transformers"
-        )
-    return None
+    return ", ".join(v for v in variant if v) or None
 
 
 @functools.cache

@@ -208,7 +208,9 @@ class LlamaCppEngine:
 
     def unsupported(self, spec: ModelSpec) -> str | None:
         """Why this engine cannot run `spec`'s model (worker.gguf_writer writes llama-architecture GGUFs)."""
-        return unsupported_by_writer(spec)
+        if reason := unsupported_by_writer(spec):
+            return f"the llama.cpp engine does not run this model yet ({reason}): use --engine transformers"
+        return None
 
     def backend(self) -> dict[str, str | int]:
         """What this engine computes on, for the heartbeat: the GPU backend when layers are offloaded."""
