@@ -188,3 +188,35 @@ def test_a_swarm_trains_a_family_and_flags_no_honest_worker(name, swarm):
     assert "flagged" not in swarm.log("learner") and "Traceback" not in swarm.log("learner")
     accepted = {w: r["groups_accepted"] for w, r in metrics[-1]["workers"].items()}
     assert len(accepted) == (2 if both else 1) and min(accepted.values()) > 0, accepted
+
+
+def test_models_load_from_the_hub_cache_in_shards_and_half_precision(tmp_path, monkeypatch):
+    """`--model org/name` is read from the local Hugging Face cache (a snapshot laid out as the hub client
+    writes it), sharded bf16 safetensors load as float32, and a model not in the cache is one line naming
+    the command that fetches it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from learner.train.models import ModelError
+
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    snapshot = cache / "models--tiny-org--qwen3-tiny" / "snapshots" / ("a" * 40)
+    save_family("qwen3", tmp_path / "f32")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "f32", dtype=torch.bfloat16)
+    model.save_pretrained(snapshot, max_shard_size="40KB")  # several safetensors shards and their index
+    AutoTokenizer.from_pretrained(tmp_path / "f32").save_pretrained(snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("a" * 40)
+    assert len(list(snapshot.glob("*.safetensors"))) > 1
+    policy = load_policy("tiny-org/qwen3-tiny", "unused")
+    assert policy.name == "qwen3-tiny" and type(policy.model).__name__ == "Qwen3ForCausalLM"
+    assert all(p.dtype == torch.float32 for p in policy.model.parameters())
+    reference = AutoModelForCausalLM.from_pretrained(snapshot, dtype=torch.float32)
+    for (n, a), (_, b) in zip(policy.model.state_dict().items(), reference.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+    with pytest.raises(ModelError, match="hf download tiny-org/missing"):
+        load_policy("tiny-org/missing", "unused")
+    res = run_cli("learner", "start", "--colocated", "--model", "tiny-org/missing", "--run-dir", str(tmp_path / "r"),
+                  env={"HF_HUB_CACHE": str(cache)})  # fmt: skip
+    assert res.returncode != 0 and "hf download tiny-org/missing" in res.stderr and "Traceback" not in res.stderr

@@ -80,17 +80,41 @@ def load_policy(name: str, cache_dir: str | Path, seed: int = 0) -> Policy:
         return tiny_policy(seed)
     if name == "smollm2-135m":
         return _smollm2_policy(Path(cache_dir).expanduser())
-    path = Path(name).expanduser()
+    path = label = Path(name).expanduser()
+    if not path.exists() and _looks_like_hub_id(name):
+        path, label = _from_hub_cache(name), Path(name)
     if not path.exists():
-        raise ModelError(f"model {name!r} is neither a known name (smollm2-135m, tiny) nor an existing path")
+        raise ModelError(
+            f"model {name!r} is neither a known name (smollm2-135m, tiny), an existing path, nor a hub id (org/name)"
+        )
     if path.is_file() and path.suffix == ".gguf":
         return _from_gguf(path.parent, path.name, name)
     if path.is_dir() and (path / "config.json").exists():
         _check_causal_lm(json.loads((path / "config.json").read_text()).get("model_type"), name)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        return _finish(Policy(model, tokenizer, path.name))
+        return _finish(Policy(model, tokenizer, label.name))
     raise ModelError(f"model path {name!r} is neither a .gguf file nor a folder with config.json")
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    org, _, repo = name.partition("/")
+    return bool(org and repo) and "/" not in repo and not name.startswith((".", "~"))
+
+
+def _from_hub_cache(repo_id: str) -> Path:
+    """The folder of `repo_id`'s newest snapshot in the local Hugging Face cache (HF_HOME / HF_HUB_CACHE);
+    nothing is downloaded at run time."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except LocalEntryNotFoundError:
+        raise ModelError(
+            f"model {repo_id!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}): fetch it once "
+            f"with `hf download {repo_id}` (echo-rl never downloads at run time)"
+        ) from None
 
 
 def _check_causal_lm(model_type: str | None, name: str) -> None:
