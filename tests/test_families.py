@@ -220,3 +220,13 @@ def test_models_load_from_the_hub_cache_in_shards_and_half_precision(tmp_path, m
     res = run_cli("learner", "start", "--colocated", "--model", "tiny-org/missing", "--run-dir", str(tmp_path / "r"),
                   env={"HF_HUB_CACHE": str(cache)})  # fmt: skip
     assert res.returncode != 0 and "hf download tiny-org/missing" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_every_end_of_turn_token_stops_a_completion(tmp_path):
+    """The end-of-sequence ids of config.json, generation_config.json and the tokenizer all reach the spec."""
+    from transformers import GenerationConfig
+
+    folder = save_family("qwen3", tmp_path / "qwen3")
+    GenerationConfig(eos_token_id=[2, 7], pad_token_id=2).save_pretrained(folder)
+    policy = load_policy(str(folder), "unused")
+    assert set(model_spec(policy).eos_ids) == {policy.tokenizer.eos_token_id, 2, 7}

@@ -276,12 +276,16 @@ def model_spec(policy: Policy) -> ModelSpec:
 
 
 def eos_ids(policy: Policy) -> list[int]:
-    """The tokens that end a completion: the model config's end-of-sequence ids and the tokenizer's."""
-    cfg_eos = policy.model.config.eos_token_id
-    eos = list(cfg_eos) if isinstance(cfg_eos, list) else [cfg_eos]
-    if policy.tokenizer.eos_token_id is not None and policy.tokenizer.eos_token_id not in eos:
-        eos.append(policy.tokenizer.eos_token_id)
-    return [int(e) for e in eos if e is not None]
+    """The tokens that end a completion: the end-of-sequence ids of the model's config, of its generation
+    config (generation_config.json: where Qwen and Llama 3 list their end-of-turn tokens) and the tokenizer's."""
+    generation = getattr(policy.model, "generation_config", None)
+    eos: list[int] = []
+    for ids in (policy.model.config.eos_token_id, getattr(generation, "eos_token_id", None),
+                policy.tokenizer.eos_token_id):  # fmt: skip
+        for e in ids if isinstance(ids, list) else [ids]:
+            if e is not None and int(e) not in eos:
+                eos.append(int(e))
+    return eos
 
 
 def chat_format(policy: Policy) -> ChatFormat:
