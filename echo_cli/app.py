@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
-import os
 import sys
 from pathlib import Path
 
@@ -62,7 +60,7 @@ def learner_start(
 ) -> None:
     """Train a policy with GRPO: on rollouts from swarm workers, or --colocated in this one process."""
     setup_logging(verbose)
-    from learner.train.data_parallel import started_by_torchrun
+    from learner.train.data_parallel import exit_rank, started_by_torchrun
 
     try:
         cfg = load_config(LearnerConfig, config, overrides)
@@ -81,14 +79,8 @@ def learner_start(
         show_learner(steps, cfg.run.steps, console)
     except user_errors() as exc:
         raise fail(str(exc)) from None
-    if started_by_torchrun():
-        # torchrun ranks: the run is complete (checkpoint written, process group left), but a rank's
-        # static destructors sometimes abort in a torch.distributed thread ("terminate called without
-        # an active exception"), which torchrun reports as a failed run; skip them
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    if started_by_torchrun():  # the run is complete: checkpoint written, process group left
+        exit_rank()
 
 
 @worker_app.command("join")

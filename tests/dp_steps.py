@@ -10,7 +10,7 @@ import sys
 import torch
 
 from learner.config import GRPOConfig
-from learner.train.data_parallel import full_state, init_world, leave, shard
+from learner.train.data_parallel import exit_rank, full_state, init_world, leave, shard
 from learner.train.models import tiny_policy
 from learner.train.trainer import GRPOTrainer
 from tests.test_trainer import make_rollouts
@@ -30,6 +30,8 @@ def main(out: str, precision: str = "fp32") -> None:
     if world.leader:
         torch.save({"state": state, "stats": stats}, out)
     leave(world)
+    if world.sharded:
+        exit_rank()
 
 
 if __name__ == "__main__":
