@@ -104,6 +104,7 @@ def export_checkpoint(cfg: object, checkpoint: Path, fmt: str, adapters: bool, o
 
     hf: a transformers folder (`--adapters`: the base, and the adapters in out/adapter as peft saves them).
     gguf: out/model.gguf, F16 as the workers write it (`--adapters`: the base and out/adapter.gguf, a GGUF LoRA)."""
+    import dataclasses
     import shutil
 
     from learner.train.checkpoint import load_weights
@@ -112,13 +113,16 @@ def export_checkpoint(cfg: object, checkpoint: Path, fmt: str, adapters: bool, o
     from learner.train.wire_weights import wire_tensors
     from p2p.config import ConfigError
     from p2p.messages import is_adapter
-    from worker.gguf_writer import unsupported_by_writer, write_gguf, write_lora_gguf
+    from worker.gguf_writer import unsupported_by_llama_layout, unsupported_by_writer, write_gguf, write_lora_gguf
 
     policy = load_run_policy(cfg.model, cfg.run.seed)
-    if fmt == "gguf" and (reason := unsupported_by_writer(model_spec(policy))):
+    spec = model_spec(policy)
+    if fmt == "gguf" and (reason := unsupported_by_writer(dataclasses.replace(spec, lora_rank=0))):
+        raise ConfigError(f"--format gguf does not write this model ({reason}): export --format hf")
+    if fmt == "gguf" and adapters and (layout := unsupported_by_llama_layout(spec)):
         raise ConfigError(
-            f"--format gguf does not write this model yet ({reason}): export --format hf and convert that "
-            "folder with llama.cpp's convert_hf_to_gguf.py"
+            f"--format gguf --adapters writes llama-layout adapters only (this model: {layout}): export the merged "
+            "model without --adapters, or --format hf --adapters for peft adapters"
         )
     load_weights(checkpoint, policy.model)
     if policy.lora_rank and not adapters:
@@ -132,7 +136,6 @@ def export_checkpoint(cfg: object, checkpoint: Path, fmt: str, adapters: bool, o
             if adapters:
                 save_peft_adapters(policy, tmp / "adapter", out)
         else:
-            spec = model_spec(policy)
             tensors = wire_tensors(policy.model)
             write_gguf(tmp / "model.gguf", spec, {n: a for n, a in tensors.items() if not is_adapter(n)})
             if adapters:

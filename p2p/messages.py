@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 MAX_HF_CONFIG = 1 << 16  # bytes of a model's config.json on the wire (real ones are 1-10 KB)
+MAX_GGUF_RECIPE = 4 << 20  # bytes of a GGUF recipe (~60 B a node: 30 KB for a dense 36-layer model)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class ModelSpec:
     lora_rank: int = 0  # > 0: versions after the first carry only LoRA adapters (see learner.train.lora)
     lora_alpha: float = 0.0  # an adapter adds (lora_alpha / lora_rank) * B A to its weight
     hf_config: str = ""  # the model's config.json (JSON text); "" from a learner before model families
+    gguf_recipe: str = ""  # JSON: how llama.cpp's converter lays the tensors out (learner.train.gguf_recipe)
 
     @property
     def model_type(self) -> str:
@@ -60,6 +62,10 @@ class ModelSpec:
         """hf_config parsed: {} where the learner sent none (a llama spec, described by the fields above)."""
         return json.loads(self.hf_config) if self.hf_config else {}
 
+    def recipe(self) -> dict:
+        """gguf_recipe parsed: {} where the learner sent none."""
+        return json.loads(self.gguf_recipe) if self.gguf_recipe else {}
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -68,12 +74,18 @@ class ModelSpec:
         spec = cls(**data)
         if not isinstance(spec.hf_config, str) or len(spec.hf_config) > MAX_HF_CONFIG:
             raise TypeError(f"hf_config must be JSON text of at most {MAX_HF_CONFIG} bytes")
+        if not isinstance(spec.gguf_recipe, str) or len(spec.gguf_recipe) > MAX_GGUF_RECIPE:
+            raise TypeError(f"gguf_recipe must be JSON text of at most {MAX_GGUF_RECIPE} bytes")
         try:
-            config = spec.config()
+            config, recipe = spec.config(), spec.recipe()
         except (ValueError, RecursionError):
-            raise TypeError("hf_config is not JSON") from None
+            raise TypeError("hf_config or gguf_recipe is not JSON") from None
         if not isinstance(config, dict) or not isinstance(config.get("model_type", ""), str):
             raise TypeError("hf_config is not a config.json object with a model_type")
+        shape = {"arch": str, "kv": list, "nodes": list, "tensors": list}
+        if not isinstance(recipe, dict) or ("arch" in recipe and not all(
+                isinstance(recipe.get(k), t) for k, t in shape.items())):  # fmt: skip
+            raise TypeError("gguf_recipe is not a recipe (arch, kv, nodes, tensors)")
         return spec
 
 

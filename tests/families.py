@@ -10,7 +10,9 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 
 
 def family_configs(vocab_size: int, bos: int, eos: int, pad: int) -> dict:
-    """Config of each family by its name here: what a user brings as --model."""
+    """Config of each family by its name here: what a user brings as --model. Where a config class's defaults
+    differ from the family's released models in what llama.cpp assumes, the released value is set: Qwen3-MoE
+    normalises its top-k routing weights, Gemma 3 scales queries by head_dim and has one global layer in six."""
     import transformers as tf
 
     ids = dict(vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
@@ -22,15 +24,16 @@ def family_configs(vocab_size: int, bos: int, eos: int, pad: int) -> dict:
         "qwen2": tf.Qwen2Config(**COMMON, **ids),
         "qwen3": tf.Qwen3Config(**COMMON, **ids, head_dim=16),
         "qwen3_moe": tf.Qwen3MoeConfig(**COMMON, **ids, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                       moe_intermediate_size=32, decoder_sparse_step=1),
+                                       moe_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True),
         "mistral": tf.MistralConfig(**COMMON, **ids, head_dim=16, sliding_window=None),
-        "gemma3": tf.Gemma3TextConfig(**COMMON, **ids, head_dim=16, sliding_window=8,
-                                      layer_types=["sliding_attention", "full_attention"]),
+        "gemma3": tf.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 6}, **ids, head_dim=16, sliding_window=8,
+                                      query_pre_attn_scalar=16, layer_types=GEMMA3_LAYERS),
         "phi3": tf.Phi3Config(**COMMON, **ids),
         "olmo2": tf.Olmo2Config(**COMMON, **ids),
     }  # fmt: skip
 
 
+GEMMA3_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]  # released Gemma 3s: one global layer in six
 FAMILIES = ["llama", "llama3", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3", "phi3", "olmo2"]
 
 

@@ -1,7 +1,9 @@
 """Every model family a user brings (tests/families.py: tiny random Qwen3, Qwen2, Qwen3-MoE, Llama, Llama 3,
 Mistral, Gemma 3, Phi-3, OLMo 2) loads as a policy, trains, and is rebuilt by the transformers engine from the
-spec alone, which samples from the same distribution the learner scores; the llama.cpp engine says which
-ones it does not run yet."""
+spec alone, and sampled by llama.cpp in the layout llama.cpp's own converter gives it, both from the same
+distribution the learner scores."""
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -19,12 +21,12 @@ from tests.families import FAMILIES, save_family
 from worker.engines.hf import TransformersEngine
 from worker.engines.llamacpp import LlamaCppEngine
 
-LLAMACPP_RUNS = {"llama", "mistral"}  # what worker.gguf_writer writes today (the rest: the converter, next)
+LLAMA_LAYOUT = {"llama", "mistral"}  # written by name in worker.gguf_writer, LoRA adapters hot-swapped
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
-    folder = save_family(request.param, tmp_path_factory.mktemp(request.param))
+    folder = save_family(request.param, tmp_path_factory.mktemp(request.param) / request.param)
     return request.param, folder
 
 
@@ -80,54 +82,74 @@ def test_a_family_trains_lora_adapters_the_engine_merges(family):
     assert sample_and_score(policy, engine)[1] < 1e-4, name
 
 
-def test_the_llamacpp_engine_runs_its_families_and_names_the_others(family, tmp_path):
+def test_the_llamacpp_engine_runs_every_family(family, tmp_path):
+    """llama.cpp samples what the learner scores for every family: Llama and Mistral in the llama layout, the
+    others in the layout llama.cpp's own converter gives them (learner.train.gguf_recipe); a new version of
+    the same model goes into the previous file's layout. A LoRA run outside the llama layout is named, with
+    the engine that runs it (its adapters would have to be merged on the worker)."""
     name, folder = family
     policy = load_policy(str(folder), "unused")
     spec = model_spec(policy)
     engine = LlamaCppEngine(tmp_path, threads=2, max_batch=8)
-    reason = engine.unsupported(spec)
-    if name not in LLAMACPP_RUNS:
-        assert reason and "--engine transformers" in reason
-        with pytest.raises(ValueError, match="--engine transformers"):
-            send_to_sampler(engine, spec, policy.model)
-        return
-    assert reason is None
+    assert engine.unsupported(spec) is None
     send_to_sampler(engine, spec, policy.model)
     assert sample_and_score(policy, engine)[1] < 5e-3  # F16 weights against float32
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.mul_(1.01)
+    send_to_sampler(engine, spec, policy.model)  # the fast path: the new tensors into the old file's layout
+    assert sample_and_score(policy, engine)[1] < 5e-3
     engine.close()
+    lora = dataclasses.replace(spec, lora_rank=4, lora_alpha=8.0)
+    reason = LlamaCppEngine(tmp_path / "lora", threads=1).unsupported(lora)
+    assert (reason is None) == (name in LLAMA_LAYOUT), reason
+    if reason:
+        assert "LoRA" in reason and "--engine transformers" in reason
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma3"])
 def test_a_colocated_run_trains_a_family(name, tmp_path):
-    """`echo-rl learner start --colocated --model DIR` on a Qwen3 (Gemma 3) folder trains with the transformers
-    engine and refuses the llama.cpp one with a one-line error saying what to use."""
-    folder = save_family(name, tmp_path / name)
-    common = ["learner", "start", "--colocated", "--model", str(folder), "--steps", "2", "--prompts-per-step", "2",
-              "--group-size", "2", "--max-new-tokens", "8"]  # fmt: skip
-    res = run_cli(*common, "--run-dir", str(tmp_path / "llamacpp"), "--engine", "llamacpp")
-    assert res.returncode != 0 and "--engine transformers" in res.stderr and "Traceback" not in res.stderr
-    run_dir = tmp_path / "run"
-    res = run_cli(*common, "--run-dir", str(run_dir), "--engine", "transformers", "--lora-rank", "4", "--lr", "5e-2")
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert (run_dir / "metrics.jsonl").read_text().count("\n") == 2
-    # exports: a transformers folder with the adapters merged, and the base with peft adapters beside it
+    """`echo-rl learner start --colocated --model DIR` on a Qwen3 (Gemma 3) folder: full weights with the
+    llama.cpp engine, exported as GGUF with the checkpoint's logits; LoRA with llama.cpp refused in one line;
+    LoRA with the transformers engine, exported as transformers folders (merged; base + peft adapters)."""
+    import llama_cpp
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from tests.test_research import checkpoint_policy, logits_of
 
-    model, ids = checkpoint_policy(run_dir, None)
+    folder = save_family(name, tmp_path / "model")
+    common = ["learner", "start", "--colocated", "--model", str(folder), "--steps", "2", "--prompts-per-step", "2",
+              "--group-size", "2", "--max-new-tokens", "8"]  # fmt: skip
+    full = tmp_path / "full"
+    res = run_cli(*common, "--run-dir", str(full), "--engine", "llamacpp", "--lr", "5e-2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    res = run_cli("export", str(full), "--format", "gguf", "--out", str(tmp_path / "gguf"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    model, ids = checkpoint_policy(full, None)
+    llm = llama_cpp.Llama(str(tmp_path / "gguf" / "model.gguf"), n_ctx=256, logits_all=True, verbose=False)
+    llm.eval(ids)
+    assert np.abs(np.array(llm.scores[: len(ids)]) - logits_of(model, ids)).max() < 5e-3  # F16 against float32
+    del llm
+
+    res = run_cli(*common, "--run-dir", str(tmp_path / "refused"), "--engine", "llamacpp", "--lora-rank", "4")
+    assert res.returncode != 0 and "--engine transformers" in res.stderr and "Traceback" not in res.stderr
+    lora = tmp_path / "lora"
+    res = run_cli(*common, "--run-dir", str(lora), "--engine", "transformers", "--lora-rank", "4", "--lr", "5e-2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (lora / "metrics.jsonl").read_text().count("\n") == 2
+    model, ids = checkpoint_policy(lora, None)
     for adapters in (False, True):
         out = tmp_path / f"hf-{adapters}"
-        res = run_cli("export", str(run_dir), "--format", "hf", "--out", str(out), *(["--adapters"] * adapters))
+        res = run_cli("export", str(lora), "--format", "hf", "--out", str(out), *(["--adapters"] * adapters))
         assert res.returncode == 0, res.stderr[-2000:]
         loaded = AutoModelForCausalLM.from_pretrained(out)
         if adapters:
             loaded = PeftModel.from_pretrained(loaded, out / "adapter")
         assert type(loaded.get_base_model() if adapters else loaded) is type(model)  # the family's class
         assert np.abs(logits_of(loaded.eval(), ids) - logits_of(model, ids)).max() < 1e-5
-    res = run_cli("export", str(run_dir), "--format", "gguf", "--out", str(tmp_path / "gguf"))
-    assert res.returncode == 2 and "--format hf" in res.stderr and not (tmp_path / "gguf").exists()
+    res = run_cli("export", str(lora), "--format", "gguf", "--adapters", "--out", str(tmp_path / "gguf-adapters"))
+    assert res.returncode == 2 and "without --adapters" in res.stderr and not (tmp_path / "gguf-adapters").exists()
 
 
 @pytest.mark.parametrize(
@@ -146,7 +168,7 @@ def test_a_spec_with_a_broken_config_is_a_bad_message(tiny, hf_config):
 
 def test_a_worker_refuses_a_model_its_engine_cannot_run(tiny, tmp_path):
     """A spec of an architecture transformers does not know is named before any weights are fetched."""
-    data = model_spec(tiny).to_dict() | {"hf_config": '{"model_type": "no_such_family"}'}
+    data = model_spec(tiny).to_dict() | {"hf_config": '{"model_type": "no_such_family"}', "gguf_recipe": ""}
     spec = ModelSpec.from_dict(data)
     assert "no_such_family" in TransformersEngine(threads=1).unsupported(spec)
     assert "--engine transformers" in LlamaCppEngine(tmp_path, threads=1).unsupported(spec)
@@ -169,25 +191,23 @@ def test_the_spec_protocol_is_versioned(tiny):
     assert reply.protocol == 1 and reply.spec.model_type == "llama"
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gemma3", "phi3", "mistral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "gemma3", "phi3"])
 def test_a_swarm_trains_a_family_and_flags_no_honest_worker(name, swarm):
-    """A swarm run of the family's model: a transformers worker (and a llama.cpp one where that engine runs the
-    family) generate, every group of theirs is verified (verify_first covers the run), none is flagged, and the
-    weights move."""
-    folder = save_family(name, swarm.tmp / name)
-    both = name in LLAMACPP_RUNS  # --min-workers 2: no lease until both hold v0, or the first may do it all
-    learner = swarm.learner("--model", str(folder), "--steps", "4", "--publish-every", "1", "--verify-first", "1000",
-                            "--min-workers", "2" if both else "1")  # fmt: skip
+    """A swarm run of the family's model: a transformers worker and a llama.cpp one generate, every group of
+    theirs is verified (verify_first covers the run) and none is flagged."""
+    folder = save_family(name, swarm.tmp / name)  # "phi3": the name llama.cpp keys token attributes on
+    # --min-workers 2: no lease until both hold v0, or the first up may do the whole run
+    learner = swarm.learner("--model", str(folder), "--steps", "8", "--publish-every", "1", "--verify-first", "1000",
+                            "--min-workers", "2")  # fmt: skip
     swarm.worker("hf", "--engine", "transformers", "--max-groups", "1")
-    if both:
-        swarm.worker("llama", "--max-groups", "1")
+    swarm.worker("llama", "--max-groups", "1")
     assert swarm.wait(learner, 300) == 0, swarm.log("learner")[-3000:]
     metrics = swarm.metrics()
-    assert len(metrics) == 4 and metrics[-1]["groups_dropped_flagged"] == 0
+    assert len(metrics) == 8 and metrics[-1]["groups_dropped_flagged"] == 0
     assert metrics[-1]["verification"]["groups"] >= metrics[-1]["groups_accepted"] > 0
     assert "flagged" not in swarm.log("learner") and "Traceback" not in swarm.log("learner")
     accepted = {w: r["groups_accepted"] for w, r in metrics[-1]["workers"].items()}
-    assert len(accepted) == (2 if both else 1) and min(accepted.values()) > 0, accepted
+    assert len(accepted) == 2 and min(accepted.values()) > 0, accepted
 
 
 def test_models_load_from_the_hub_cache_in_shards_and_half_precision(tmp_path, monkeypatch):
@@ -230,3 +250,28 @@ def test_every_end_of_turn_token_stops_a_completion(tmp_path):
     GenerationConfig(eos_token_id=[2, 7], pad_token_id=2).save_pretrained(folder)
     policy = load_policy(str(folder), "unused")
     assert set(model_spec(policy).eos_ids) == {policy.tokenizer.eos_token_id, 2, 7}
+
+
+@pytest.mark.parametrize(
+    "recipe", ["{not json", "[1]", '{"arch": "qwen3"}', '{"arch": 3, "kv": [], "nodes": [], "tensors": []}']
+)
+def test_a_spec_with_a_broken_recipe_is_a_bad_message(tiny, recipe):
+    """A GGUF recipe that is not JSON or not a recipe is refused as a malformed reply."""
+    from p2p.messages import MessageError
+
+    wire = SpecReply("r", model_spec(tiny), 2).to_wire()
+    wire["spec"]["gguf_recipe"] = recipe
+    with pytest.raises(MessageError, match="spec"):
+        SpecReply.from_wire(wire)
+
+
+def test_a_recipe_that_does_not_fit_the_weights_is_an_engine_error(tiny):
+    """A recipe naming tensors the version lacks, or operations workers do not replay, fails staging with a
+    RuntimeError (the fetcher logs it and tries again), never another exception."""
+    from worker.gguf_writer import recipe_arrays
+
+    tensors = wire_tensors(tiny.model)
+    for nodes in ([["w", "no.such.weight"]], [["w", "model.norm.weight"], ["fft", [{"n": 0}], {}]],
+                  [["w", "model.norm.weight"], ["reshape", [{"n": 0}, 3, 5], {}]], [["item", 7, 0]]):  # fmt: skip
+        with pytest.raises(RuntimeError, match="does not fit"):
+            recipe_arrays({"arch": "llama", "kv": [], "nodes": nodes, "tensors": [["x", len(nodes) - 1]]}, tensors)

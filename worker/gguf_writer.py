@@ -1,4 +1,9 @@
-"""Write a policy's float weights as an F16 GGUF file that llama.cpp loads (numpy only, no torch)."""
+"""Write a policy's float weights as an F16 GGUF file that llama.cpp loads (numpy only, no torch).
+
+Two ways to lay the tensors out: Llama and Mistral models are written here by name (llamacpp_name, the Q/K row
+permutation), which also writes LoRA adapters llama.cpp hot-swaps; every other family follows the learner's
+GGUF recipe (learner.train.gguf_recipe: llama.cpp's own converter, traced), replayed with numpy (replay).
+"""
 
 from __future__ import annotations
 
@@ -25,8 +30,22 @@ def permute_for_llamacpp(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def unsupported_by_writer(spec: ModelSpec) -> str | None:
-    """What of `spec`'s model this writer cannot write as a llama GGUF (None: nothing): another family, or a
-    llama variant whose extra tensors or rope scaling it does not carry."""
+    """What of `spec`'s model this writer cannot write (None: nothing): a model neither the llama layout nor
+    the learner's recipe covers, or a LoRA run outside the llama layout (its adapters would need merging)."""
+    legacy = unsupported_by_llama_layout(spec)
+    if legacy is None:
+        return None
+    recipe = spec.recipe()
+    if "arch" not in recipe:
+        return f"{legacy}; {recipe.get('unsupported', 'the learner sent no GGUF recipe')}"
+    if spec.lora_rank:
+        return f"LoRA adapters on {recipe['arch']} ({legacy})"
+    return None
+
+
+def unsupported_by_llama_layout(spec: ModelSpec) -> str | None:
+    """What of `spec`'s model the llama layout cannot write (None: nothing): another family, or a llama
+    variant whose extra tensors or rope scaling it does not carry."""
     config = spec.config()
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     variant = [
@@ -78,16 +97,22 @@ def write_lora_gguf(path: str | Path, spec: ModelSpec, tensors: Mapping[str, np.
     return _finish(writer, tmp, path)
 
 
-def write_gguf(path: str | Path, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> Path:
-    """Write `tensors` (HF llama names, float arrays) to `path` as GGUF; matrices in F16, vectors in F32.
+def write_gguf(path: str | Path, spec: ModelSpec, tensors: Mapping[str, np.ndarray], name: str | None = None) -> Path:
+    """Write `tensors` (HF names, float arrays) to `path` as GGUF; matrices in F16, vectors and norms in F32.
 
     The file is written next to its destination and renamed into place, so a reader never sees half a
     file.
+
+    `name` (general.name, default the spec's): llama.cpp keys token attributes on it (a name holding "phi3"
+    wants Phi-3's special tokens), which matter where llama.cpp tokenizes text: an export keeps the model's
+    name, a worker's sampler (prompts arrive as token ids) passes a neutral one.
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    if unsupported_by_llama_layout(spec) is not None:
+        return _write_by_recipe(tmp, path, spec, tensors, name or spec.name)
     writer = gguf.GGUFWriter(str(tmp), arch="llama")
-    writer.add_name(spec.name)
+    writer.add_name(name or spec.name)
     writer.add_context_length(spec.max_position)
     writer.add_embedding_length(spec.hidden_size)
     writer.add_block_count(spec.num_layers)
@@ -101,7 +126,30 @@ def write_gguf(path: str | Path, spec: ModelSpec, tensors: Mapping[str, np.ndarr
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_vocab_size(spec.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    _add_tokenizer(writer, spec)
+    for name, array in gguf_arrays(spec, tensors):
+        writer.add_tensor(name, array)
+    return _finish(writer, tmp, path)
 
+
+def _write_by_recipe(tmp: Path, path: Path, spec: ModelSpec, tensors: Mapping[str, np.ndarray], name: str) -> Path:
+    """The GGUF of a family the llama layout does not cover: the recipe's metadata and tensor programs."""
+    recipe = spec.recipe()
+    writer = gguf.GGUFWriter(str(tmp), arch=recipe["arch"])
+    for key, value, vtype, sub_type in recipe["kv"]:
+        if key not in ("general.architecture", "general.file_type"):
+            sub = None if sub_type is None else gguf.GGUFValueType(sub_type)
+            writer.add_key_value(key, value, gguf.GGUFValueType(vtype), sub_type=sub)
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    _add_tokenizer(writer, spec)
+    for tensor_name, array in gguf_arrays(spec, tensors):
+        writer.add_tensor(tensor_name, array)
+    return _finish(writer, tmp, path)
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, spec: ModelSpec) -> None:
+    """The spec's byte-level BPE vocabulary and special tokens (prompts arrive as token ids)."""
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(spec.tokenizer_pre)
     writer.add_token_list(spec.tokens)
@@ -111,14 +159,12 @@ def write_gguf(path: str | Path, spec: ModelSpec, tensors: Mapping[str, np.ndarr
     writer.add_eos_token_id(spec.eos_ids[0])
     writer.add_add_bos_token(False)
 
-    for name, array in gguf_arrays(spec, tensors):
-        writer.add_tensor(name, array)
-    return _finish(writer, tmp, path)
-
 
 def gguf_arrays(spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
     """(GGUF name, array as the file stores it) in file order: matrices F16 in llama.cpp's Q/K row order,
-    vectors F32; a tied output layer is not stored."""
+    vectors F32; a tied output layer is not stored. A family outside the llama layout: its recipe's."""
+    if unsupported_by_llama_layout(spec) is not None:
+        return recipe_arrays(spec.recipe(), tensors)
     out = []
     for hf_name, array in tensors.items():
         if hf_name == "lm_head.weight" and spec.tie_embeddings:
@@ -127,6 +173,111 @@ def gguf_arrays(spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> list[tupl
         dtype = np.float16 if array.ndim == 2 else np.float32
         out.append((llamacpp_name(hf_name, spec), np.ascontiguousarray(array, dtype=dtype)))
     return out
+
+
+def recipe_arrays(recipe: dict, tensors: Mapping[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
+    """(GGUF name, array) of every tensor of `recipe` (learner.train.gguf_recipe) built from the wire
+    `tensors`: matrices F16, vectors and norms F32, as llama.cpp's converter stores them."""
+    values: list = []
+    try:
+        for node in recipe["nodes"]:
+            values.append(replay(node, values, tensors))
+        out = []
+        for name, index in recipe["tensors"]:
+            array = np.asarray(values[index])
+            dtype = np.float32 if array.ndim <= 1 or name.endswith("_norm.weight") else np.float16
+            out.append((str(name), np.ascontiguousarray(array, dtype=dtype)))
+    except (KeyError, IndexError, ValueError, TypeError) as exc:
+        why = f"{type(exc).__name__}: {exc}"
+        raise RuntimeError(f"the learner's GGUF recipe does not fit its weights ({why})") from None
+    return out
+
+
+def replay(node: list, values: list, tensors: Mapping[str, np.ndarray]) -> object:
+    """One recipe node with numpy: a wire tensor, a literal, an item of an earlier result, or a torch layout
+    operation (learner.train.gguf_recipe.LAYOUT_OPS) on earlier results, with torch's semantics."""
+    kind = node[0]
+    if kind == "w":
+        return tensors[node[1]]
+    if kind == "v":
+        return np.asarray(node[1], dtype=np.float32).reshape(node[2])
+    if kind == "item":
+        return values[node[1]][node[2]]
+    args, kwargs = _decode(node[1], values), {k: _decode(v, values) for k, v in node[2].items()}
+    a = args[0]
+
+    def arg(i: int, name: str, default: object = None) -> object:
+        return args[i] if len(args) > i else kwargs.get(name, default)
+
+    if kind in ("reshape", "view"):
+        shape = args[1] if len(args) == 2 and isinstance(args[1], list) else args[1:] or kwargs["shape"]
+        return np.reshape(a, shape)
+    if kind in ("swapaxes", "transpose", "swapdims"):
+        return np.swapaxes(a, arg(1, "dim0"), arg(2, "dim1"))
+    if kind == "permute":
+        return np.transpose(a, args[1] if len(args) == 2 and isinstance(args[1], list) else args[1:])
+    if kind == "T":
+        return a.T
+    if kind in ("contiguous", "clone", "detach", "float"):
+        return a
+    if kind == "to":
+        dtypes = [v for v in [*args[1:], kwargs.get("dtype")] if isinstance(v, str)]
+        if any(d not in ("float32", "float16") for d in dtypes):
+            raise ValueError(f"a cast to {dtypes} changes the values")
+        return a
+    if kind in ("stack", "cat", "concat", "concatenate"):
+        join = np.stack if kind == "stack" else np.concatenate
+        return join([np.asarray(t) for t in a], axis=arg(1, "dim", 0))
+    if kind == "__getitem__":
+        return a[tuple(args[1]) if isinstance(args[1], list) else args[1]]
+    if kind in ("add", "__add__", "__radd__", "sub", "__sub__", "mul", "__mul__", "__rmul__", "__truediv__"):
+        if "alpha" in kwargs:
+            raise ValueError("add with alpha")
+        b = arg(1, "other")
+        op = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "truediv": np.divide}[
+            kind.strip("_").removeprefix("r") if kind != "__truediv__" else "truediv"]  # fmt: skip
+        return op(np.asarray(a, np.float32), b)
+    if kind in ("neg", "__neg__"):
+        return -np.asarray(a, np.float32)
+    if kind in ("chunk", "split", "unbind", "narrow"):
+        dim = arg(2, "dim", 0) if kind != "unbind" else arg(1, "dim", 0)
+        n = a.shape[dim]
+        if kind == "unbind":
+            return [np.take(a, i, axis=dim) for i in range(n)]
+        if kind == "narrow":
+            start, length = arg(2, "start"), arg(3, "length")
+            return np.take(a, range(start, start + length), axis=arg(1, "dim"))
+        size = arg(1, "chunks" if kind == "chunk" else "split_size_or_sections")
+        if kind == "chunk":
+            size = -(-n // size)
+        cuts = list(np.cumsum(size)[:-1]) if isinstance(size, list) else list(range(size, n, size))
+        return np.split(a, cuts, axis=dim)
+    if kind == "squeeze":
+        dim = arg(1, "dim")
+        return np.squeeze(a) if dim is None else (np.squeeze(a, axis=dim) if a.shape[dim] == 1 else a)
+    if kind == "unsqueeze":
+        return np.expand_dims(a, arg(1, "dim"))
+    if kind == "flatten":
+        start, end = arg(1, "start_dim", 0) % a.ndim, arg(2, "end_dim", -1) % a.ndim
+        return np.reshape(a, (*a.shape[:start], -1, *a.shape[end + 1 :]))
+    raise ValueError(f"operation {kind!r}")
+
+
+def _decode(value: object, values: list) -> object:
+    """A recipe argument: earlier results for {"n": i}, slices, Ellipsis, dtype names, lists, scalars."""
+    if isinstance(value, dict):
+        if "n" in value:
+            return values[value["n"]]
+        if "slice" in value:
+            return slice(*(_decode(v, values) for v in value["slice"]))
+        if "ellipsis" in value:
+            return Ellipsis
+        if "dtype" in value:
+            return str(value["dtype"])
+        raise ValueError(f"argument {value!r}")
+    if isinstance(value, list):
+        return [_decode(v, values) for v in value]
+    return value
 
 
 @dataclass(frozen=True)

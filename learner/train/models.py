@@ -27,7 +27,7 @@ from transformers import (
 from envs.chat import ChatFormat
 from learner.config import ModelConfig
 from learner.train.lora import add_lora
-from p2p.messages import ModelSpec
+from p2p.messages import ModelSpec, is_adapter
 
 log = logging.getLogger(__name__)
 transformers.utils.logging.disable_progress_bar()  # our own progress display is enough
@@ -53,6 +53,7 @@ class Policy:
     tokenizer_pre: str = "default"
     lora_rank: int = 0  # > 0 once learner.train.lora.add_lora injected adapters
     lora_alpha: float = 0.0
+    gguf_recipe: str | None = None  # learner.train.gguf_recipe's JSON, worked out once (model_spec)
 
     def render_prompt(self, user_text: str) -> list[int]:
         """Render one user turn with the chat template and return its token ids."""
@@ -272,7 +273,19 @@ def model_spec(policy: Policy) -> ModelSpec:
         lora_rank=policy.lora_rank,
         lora_alpha=policy.lora_alpha,
         hf_config=cfg.to_json_string(use_diff=False),
+        gguf_recipe=policy_recipe(policy),
     )
+
+
+def policy_recipe(policy: Policy) -> str:
+    """The policy's GGUF recipe (learner.train.gguf_recipe), worked out on first use: the layout is fixed."""
+    if policy.gguf_recipe is None:
+        from learner.train.gguf_recipe import recipe_json
+        from learner.train.wire_weights import wire_state
+
+        shapes = {n: tuple(t.shape) for n, t in wire_state(policy.model).items() if not is_adapter(n)}
+        policy.gguf_recipe = recipe_json(policy.model, policy.tokenizer, shapes)
+    return policy.gguf_recipe
 
 
 def eos_ids(policy: Policy) -> list[int]:

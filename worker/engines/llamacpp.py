@@ -172,7 +172,7 @@ class LlamaCppEngine:
         arrays = gguf_arrays(spec, weights)
         if self._layout is not None and self._layout[0] == spec and self._layout[1].fits(arrays):
             return self._layout[1].write(path, arrays)
-        path = write_gguf(path, spec, weights)
+        path = write_gguf(path, spec, weights, name="echo-rl policy")  # prompts arrive as token ids
         self._layout = (spec, GGUFLayout.of(path))
         return path
 

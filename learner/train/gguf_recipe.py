@@ -1,0 +1,179 @@
+"""A model's GGUF recipe: how llama.cpp's own converter lays out its tensors, worked out once on the learner
+and carried to workers in ModelSpec.gguf_recipe, so that a worker without torch writes any family's GGUF.
+
+The converter (convert_hf_to_gguf.py's model classes, unpacked by scripts/setup.sh from the llama-cpp-python
+sdist the worker's llama.cpp is built from) runs on meta tensors, shapes without data, under a torch function
+mode that records every operation: each GGUF tensor becomes a short program of layout operations (reshape,
+swapaxes, stack, slices, adding a constant) on named wire tensors, which worker.gguf_writer.recipe_arrays
+replays with numpy. transformers' revert of its load-time conversions (fused MoE experts back to one tensor
+per expert, as checkpoints store them and the converter reads them) is traced the same way. The metadata is
+the converter's own (set_gguf_parameters); tensors it computes from hyperparameters (generate_extra_tensors,
+e.g. Llama 3's rope frequencies) travel as values.
+
+    recipe = {"arch": str, "kv": [[key, value, gguf value type, array item type | None], ...],
+              "nodes": [[op, args, kwargs], ...], "tensors": [[gguf name, node], ...]}
+    a node's args refer to earlier nodes as {"n": i}; ["w", name] is the wire tensor `name`, ["v", data,
+    shape] a literal float32 array, ["item", i, k] the k-th tensor of node i's result.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+CONVERTER = Path(sys.prefix) / "share" / "llama.cpp-convert"  # scripts/setup.sh unpacks it here
+# what worker.gguf_writer.replay can do with numpy; an operation outside it makes the family unsupported
+LAYOUT_OPS = {
+    "reshape", "view", "swapaxes", "transpose", "swapdims", "permute", "T", "contiguous", "float", "to", "clone",
+    "detach", "stack", "cat", "concat", "concatenate", "__getitem__", "add", "__add__", "__radd__", "sub",
+    "__sub__", "mul", "__mul__", "__rmul__", "__truediv__", "__neg__", "neg", "chunk", "split", "unbind",
+    "squeeze", "unsqueeze", "flatten", "narrow",
+}  # fmt: skip
+IGNORED = {"size", "dim", "numel", "__len__", "shape", "dtype", "device", "is_floating_point", "ndim", "element_size"}
+
+
+class RecipeError(RuntimeError):
+    """The converter cannot lay this model out (no converter class, or an operation we cannot replay)."""
+
+
+class _Tracer(TorchFunctionMode):
+    """Records the operations on traced tensors as recipe nodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nodes: list[list] = []
+        self.node_of: dict[int, int] = {}  # id(tensor) -> node
+        self.alive: list[torch.Tensor] = []  # keeps traced tensors alive, so that their ids stay theirs
+
+    def add(self, node: list, tensor: torch.Tensor) -> None:
+        self.nodes.append(node)
+        self.node_of[id(tensor)] = len(self.nodes) - 1
+        self.alive.append(tensor)
+
+    def encode(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if id(value) not in self.node_of:
+                raise RecipeError("the converter made a tensor from data (not a layout of the weights)")
+            return {"n": self.node_of[id(value)]}
+        if isinstance(value, torch.dtype):
+            return {"dtype": str(value).removeprefix("torch.")}
+        if isinstance(value, slice):
+            return {"slice": [self.encode(value.start), self.encode(value.stop), self.encode(value.step)]}
+        if value is Ellipsis:
+            return {"ellipsis": True}
+        if isinstance(value, list | tuple | torch.Size):
+            return [self.encode(v) for v in value]
+        if value is None or isinstance(value, bool | int | float | str):
+            return value
+        raise RecipeError(f"the converter passed a {type(value).__name__} ({str(value)[:80]}) to a tensor operation")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        op = getattr(func, "__name__", "")
+        if op == "__get__":  # a property: Tensor.T, .shape
+            op = getattr(getattr(func, "__self__", None), "__name__", op)
+        results = list(out) if isinstance(out, list | tuple) else [out]
+        if op in IGNORED or not any(isinstance(r, torch.Tensor) for r in results):
+            return out
+        if op not in LAYOUT_OPS:
+            raise RecipeError(f"the converter uses torch's {op!r}, which workers do not replay")
+        node = [op, self.encode(args), {key: self.encode(v) for key, v in kwargs.items()}]
+        if isinstance(out, torch.Tensor):
+            self.add(node, out)
+        else:
+            self.nodes.append(node)
+            parent = len(self.nodes) - 1
+            for k, r in enumerate(results):
+                self.add(["item", parent, k], r)
+        return out
+
+
+def gguf_recipe(model: torch.nn.Module, tokenizer: Any, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """The recipe of `model` (its config, and `shapes`: its wire tensors' names and shapes, LoRA adapters
+    excluded); RecipeError if the converter cannot lay it out."""
+    if not (CONVERTER / "conversion").is_dir():
+        raise RecipeError(f"llama.cpp's converter is not unpacked in {CONVERTER}: run ./scripts/setup.sh")
+    if str(CONVERTER) not in sys.path:
+        sys.path.insert(0, str(CONVERTER))
+    os.environ.setdefault("NO_LOCAL_GGUF", "1")  # the installed gguf is the converter's (scripts/setup.sh)
+    import gguf
+    from conversion import ModelBase, ModelType, get_model_architecture, get_model_class
+    from transformers.core_model_loading import revert_weight_conversion
+
+    for name in ("hf-to-gguf", "gguf.gguf_writer"):  # the converter's own chatter ("Duplicated key name")
+        logging.getLogger(name).setLevel(logging.ERROR)
+    tracer = _Tracer()
+    with tempfile.TemporaryDirectory(prefix="echo-rl-recipe-") as tmp:
+        config = copy.deepcopy(model.config)
+        config.architectures = config.architectures or [type(model).__name__]  # a config built in code has none
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        hparams = ModelBase.load_hparams(Path(tmp), False)
+        try:
+            base = get_model_class(get_model_architecture(hparams, ModelType.TEXT))
+        except (NotImplementedError, ValueError, KeyError) as exc:
+            raise RecipeError(f"llama.cpp has no converter for {model.config.model_type!r} ({exc})") from None
+        leaves = {name: torch.empty(shape, dtype=torch.float32, device="meta") for name, shape in shapes.items()}
+        for name, leaf in leaves.items():
+            tracer.add(["w", name], leaf)
+        embed = next((n for n in shapes if n.endswith("embed_tokens.weight")), None)
+        if "lm_head.weight" not in shapes and embed and getattr(model.config, "tie_word_embeddings", False):
+            # a tied output layer is the embedding: some llama.cpp architectures (OLMo 2) want it stored
+            leaves["lm_head.weight"] = torch.empty(shapes[embed], dtype=torch.float32, device="meta")
+            tracer.add(["w", embed], leaves["lm_head.weight"])
+        with tracer:
+            files = revert_weight_conversion(model, leaves)  # checkpoint names, as the converter reads them
+
+        class Traced(base):  # the converter reading our meta tensors instead of a model folder's files
+            model_arch = base.model_arch
+
+            def index_tensors(self, remote_hf_model_id: str | None = None) -> dict:
+                return {name: (lambda t=t: t) for name, t in files.items()}
+
+        converter = Traced(Path(tmp), gguf.LlamaFileType.MOSTLY_F16, Path(tmp) / "unused.gguf", model_name="policy")
+        tensors: list[list] = []
+        with torch.no_grad():
+            for name, array in converter.generate_extra_tensors():  # values from hyperparameters
+                tracer.nodes.append(["v", array.float().flatten().tolist(), list(array.shape)])
+                tensors.append([name, len(tracer.nodes) - 1])
+            with tracer:
+                for name, meta in converter.get_tensors():
+                    bid = next((int(p) for p in name.split(".") if p.isdecimal()), None)
+                    for gguf_name, out in converter.modify_tensors(meta, name, bid):
+                        tensors.append([gguf_name, tracer.node_of[id(out)]])
+        converter.set_gguf_parameters()
+    kv = [
+        [key, _plain(v.value), int(v.type), None if v.sub_type is None else int(v.sub_type)]
+        for part in converter.gguf_writer.kv_data for key, v in part.items()
+        if not key.startswith(("tokenizer.", "general.name"))
+    ]  # fmt: skip
+    return {"arch": gguf.MODEL_ARCH_NAMES[converter.model_arch], "kv": kv, "nodes": tracer.nodes, "tensors": tensors}
+
+
+def _plain(value: Any) -> Any:
+    """A metadata value as msgpack/JSON carries it (numpy scalars and arrays as Python numbers and lists)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def recipe_json(model: torch.nn.Module, tokenizer: Any, shapes: dict[str, tuple[int, ...]]) -> str:
+    """gguf_recipe as JSON text, or {"unsupported": why} where the converter cannot lay the model out."""
+    try:
+        return json.dumps(gguf_recipe(model, tokenizer, shapes), separators=(",", ":"))
+    except RecipeError as exc:
+        return json.dumps({"unsupported": str(exc)})
