@@ -7,7 +7,7 @@ float32 copy of the architecture, and recomputes at the same temperature and top
 
     logprob divergence   d = mean over the group's tokens of min(|log mu_worker - log mu_x|, CAP)
     draw miss            m = max over the group's tokens of dist(u, [C_x(t - 1), C_x(t)])
-    off-draw share       o = share of the group's tokens with dist(u, [C_x(t - 1), C_x(t)]) > 0
+    off-draw share       o = share of the group's tokens with dist(u, [C_x(t - 1), C_x(t)]) > DRAW_NOISE
 
 where u = p2p.draws.uniform(lease seed, group, completion, position) is the token's draw and
 [C_x(t - 1), C_x(t)] its interval of the inverse CDF in token-id order under version x (dist is 0 inside).
@@ -15,8 +15,9 @@ d catches forged logprobs; m catches text the worker did not sample (its own tex
 another seed): given the seed and the weights a completion is determined, up to float noise at the
 interval borders. o catches steering within m's tolerance: where the policy is flat, many tokens' intervals
 lie within it of u, and a worker that knows u and the weights could pick among them; an honest worker's
-token is off its draw only where u lies within float noise of an interval's border, which is rare, so a
-worker that steers often is flagged and one that steers rarely moves the data by no more than noise does.
+token is off its draw only where u lies within float noise of an interval's border, and then by no more
+than that noise (DRAW_NOISE), so a worker that steers further often is flagged and one that steers rarely
+moves the data by little. Steering within the noise itself is not visible to a replay (docs/security.md).
 With top-p < 1 all three are taken under two nuclei, the strict one and the one a token wider, whichever is
 closer: rounding can put a token just inside the worker's nucleus and just outside ours.
 
@@ -78,6 +79,10 @@ CAP = 10.0  # nats: one token outside the recomputed nucleus must not make d inf
 # positions), so an honest near-tie flips with a gap of at most 2 x 0.086; a substituted token lies lower
 # (the median top-1 / top-2 margin there is 1.9, 10% of margins are below 0.26)
 GREEDY_GAP = 0.25
+# probability mass: how far honest float noise moves a token's inverse-CDF interval (llama.cpp's F16 against the
+# float32 replay): SmolLM2 at T 0.8 put up to 8% of a group's tokens beside their draws, by at most 1.2e-3
+# (2026-11-25; bench verify: m at most 1.6e-3), so o counts only tokens further off than this
+DRAW_NOISE = 2e-3
 
 
 def merged_weights(
@@ -159,8 +164,9 @@ def draw_miss(misses: torch.Tensor) -> float:
 
 
 def off_draw(misses: torch.Tensor) -> float:
-    """The share of tokens whose draw lies outside their interval; `misses` [K, N]: per token, the closest row."""
-    return float((misses.min(dim=0).values > 0).double().mean()) if misses.numel() else 0.0
+    """The share of tokens whose draw lies further than honest float noise (DRAW_NOISE) outside their interval;
+    `misses` [K, N]: per token, the closest row."""
+    return float((misses.min(dim=0).values > DRAW_NOISE).double().mean()) if misses.numel() else 0.0
 
 
 @dataclass(frozen=True)
