@@ -275,3 +275,19 @@ def test_a_recipe_that_does_not_fit_the_weights_is_an_engine_error(tiny):
                   [["w", "model.norm.weight"], ["reshape", [{"n": 0}, 3, 5], {}]], [["item", 7, 0]]):  # fmt: skip
         with pytest.raises(RuntimeError, match="does not fit"):
             recipe_arrays({"arch": "llama", "kv": [], "nodes": nodes, "tensors": [["x", len(nodes) - 1]]}, tensors)
+
+
+def test_a_family_nobody_tested_is_refused_in_one_line(tmp_path):
+    """A causal LM outside the tested families (GPT-2: its transformers sampler disagrees with the learner) is
+    refused when it loads, naming the families that are tested."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from learner.train.models import ModelError, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2)).save_pretrained(
+        tmp_path / "gpt2"
+    )
+    tokenizer.save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ModelError, match="has not tested.*qwen3"):
+        load_policy(str(tmp_path / "gpt2"), "unused")

@@ -152,6 +152,8 @@ def gguf_recipe(model: torch.nn.Module, tokenizer: Any, shapes: dict[str, tuple[
                 for name, meta in converter.get_tensors():
                     bid = next((int(p) for p in name.split(".") if p.isdecimal()), None)
                     for gguf_name, out in converter.modify_tensors(meta, name, bid):
+                        if id(out) not in tracer.node_of:
+                            raise RecipeError(f"the converter's {gguf_name} is not a layout of the weights")
                         tensors.append([gguf_name, tracer.node_of[id(out)]])
         converter.set_gguf_parameters()
     kv = [
@@ -172,8 +174,13 @@ def _plain(value: Any) -> Any:
 
 
 def recipe_json(model: torch.nn.Module, tokenizer: Any, shapes: dict[str, tuple[int, ...]]) -> str:
-    """gguf_recipe as JSON text, or {"unsupported": why} where the converter cannot lay the model out."""
+    """gguf_recipe as JSON text, or {"unsupported": why} where the converter cannot lay the model out: the
+    llama.cpp engine then names the reason, and the transformers engine still runs the model."""
     try:
         return json.dumps(gguf_recipe(model, tokenizer, shapes), separators=(",", ":"))
     except RecipeError as exc:
-        return json.dumps({"unsupported": str(exc)})
+        why = str(exc)
+    except Exception as exc:  # noqa: BLE001 - llama.cpp's converter refusing a config it does not know
+        why = f"llama.cpp's converter failed on this model ({type(exc).__name__}: {str(exc)[:200]})"
+    log.info("no GGUF recipe for %s: %s", type(model).__name__, why)
+    return json.dumps({"unsupported": why})
