@@ -104,7 +104,6 @@ def export_checkpoint(cfg: object, checkpoint: Path, fmt: str, adapters: bool, o
 
     hf: a transformers folder (`--adapters`: the base, and the adapters in out/adapter as peft saves them).
     gguf: out/model.gguf, F16 as the workers write it (`--adapters`: the base and out/adapter.gguf, a GGUF LoRA)."""
-    import dataclasses
     import shutil
 
     from learner.train.checkpoint import load_weights
@@ -117,7 +116,7 @@ def export_checkpoint(cfg: object, checkpoint: Path, fmt: str, adapters: bool, o
 
     policy = load_run_policy(cfg.model, cfg.run.seed)
     spec = model_spec(policy)
-    if fmt == "gguf" and (reason := unsupported_by_writer(dataclasses.replace(spec, lora_rank=0))):
+    if fmt == "gguf" and (reason := unsupported_by_writer(spec)):
         raise ConfigError(f"--format gguf does not write this model ({reason}): export --format hf")
     if fmt == "gguf" and adapters and (layout := unsupported_by_llama_layout(spec)):
         raise ConfigError(

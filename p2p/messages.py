@@ -9,6 +9,7 @@ against, so that one file shows the whole protocol (the broadcast's own messages
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -59,12 +60,13 @@ class ModelSpec:
         return str(self.config().get("model_type", "llama"))
 
     def config(self) -> dict:
-        """hf_config parsed: {} where the learner sent none (a llama spec, described by the fields above)."""
-        return json.loads(self.hf_config) if self.hf_config else {}
+        """hf_config parsed (shared: do not change it): {} where the learner sent none (a llama spec,
+        described by the fields above)."""
+        return _parsed(self.hf_config)
 
     def recipe(self) -> dict:
-        """gguf_recipe parsed: {} where the learner sent none."""
-        return json.loads(self.gguf_recipe) if self.gguf_recipe else {}
+        """gguf_recipe parsed (shared: do not change it): {} where the learner sent none."""
+        return _parsed(self.gguf_recipe)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,6 +89,12 @@ class ModelSpec:
                 isinstance(recipe.get(k), t) for k, t in shape.items())):  # fmt: skip
             raise TypeError("gguf_recipe is not a recipe (arch, kv, nodes, tensors)")
         return spec
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(text: str) -> Any:
+    """JSON text parsed once: a spec's recipe is read at every version a worker stages."""
+    return json.loads(text) if text else {}
 
 
 def is_adapter(name: str) -> bool:

@@ -291,3 +291,18 @@ def test_a_family_nobody_tested_is_refused_in_one_line(tmp_path):
     tokenizer.save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ModelError, match="has not tested.*qwen3"):
         load_policy(str(tmp_path / "gpt2"), "unused")
+
+
+def test_a_recipe_or_config_of_the_wrong_shape_is_an_engine_error(tiny, tmp_path):
+    """Recipe metadata of an unknown type is a RuntimeError while staging, and a config value of another type
+    than transformers writes (rope_parameters as text) is a reason, not an exception."""
+    import json
+
+    from worker.gguf_writer import unsupported_by_llama_layout, write_gguf
+
+    recipe = {"arch": "qwen3", "kv": [["qwen3.block_count", 2, 999, None]], "nodes": [], "tensors": []}
+    spec = dataclasses.replace(model_spec(tiny), hf_config='{"model_type": "qwen3"}', gguf_recipe=json.dumps(recipe))
+    with pytest.raises(RuntimeError, match="unreadable metadata"):
+        write_gguf(tmp_path / "x.gguf", spec, wire_tensors(tiny.model))
+    odd = dataclasses.replace(spec, hf_config='{"model_type": "llama", "rope_parameters": "yarn"}')
+    assert "rope scaling" in unsupported_by_llama_layout(odd)

@@ -31,16 +31,12 @@ def permute_for_llamacpp(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def unsupported_by_writer(spec: ModelSpec) -> str | None:
     """What of `spec`'s model this writer cannot write (None: nothing): a model neither the llama layout nor
-    the learner's recipe covers, or a LoRA run outside the llama layout (its adapters would need merging)."""
+    the learner's recipe covers."""
     legacy = unsupported_by_llama_layout(spec)
-    if legacy is None:
-        return None
     recipe = spec.recipe()
-    if "arch" not in recipe:
-        return f"{legacy}; {recipe.get('unsupported', 'the learner sent no GGUF recipe')}"
-    if spec.lora_rank:
-        return f"LoRA adapters on {recipe['arch']} ({legacy})"
-    return None
+    if legacy is None or "arch" in recipe:
+        return None
+    return f"{legacy}; {recipe.get('unsupported', 'the learner sent no GGUF recipe')}"
 
 
 def unsupported_by_llama_layout(spec: ModelSpec) -> str | None:
@@ -48,6 +44,7 @@ def unsupported_by_llama_layout(spec: ModelSpec) -> str | None:
     variant whose extra tensors or rope scaling it does not carry."""
     config = spec.config()
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = rope if isinstance(rope, dict) else {"rope_type": "unknown"}
     variant = [
         f"{spec.model_type} architecture" if spec.model_type not in ("llama", "mistral") else "",
         f"{rope.get('rope_type')} rope scaling" if rope.get("rope_type", "default") != "default" else "",
@@ -136,10 +133,13 @@ def _write_by_recipe(tmp: Path, path: Path, spec: ModelSpec, tensors: Mapping[st
     """The GGUF of a family the llama layout does not cover: the recipe's metadata and tensor programs."""
     recipe = spec.recipe()
     writer = gguf.GGUFWriter(str(tmp), arch=recipe["arch"])
-    for key, value, vtype, sub_type in recipe["kv"]:
-        if key not in ("general.architecture", "general.file_type"):
-            sub = None if sub_type is None else gguf.GGUFValueType(sub_type)
-            writer.add_key_value(key, value, gguf.GGUFValueType(vtype), sub_type=sub)
+    try:
+        for key, value, vtype, sub_type in recipe["kv"]:
+            if key not in ("general.architecture", "general.file_type"):
+                sub = None if sub_type is None else gguf.GGUFValueType(sub_type)
+                writer.add_key_value(key, value, gguf.GGUFValueType(vtype), sub_type=sub)
+    except (ValueError, TypeError) as exc:
+        raise RuntimeError(f"the learner's GGUF recipe has unreadable metadata ({exc})") from None
     writer.add_name(name)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     _add_tokenizer(writer, spec)

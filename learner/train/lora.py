@@ -17,11 +17,9 @@ def lora_targets(model: torch.nn.Module) -> list[str]:
     """The projections that get adapters: every linear layer of the decoder, by its name in the layer (llama:
     q, k, v, o, gate, up and down_proj; Phi-3: qkv_proj and gate_up_proj), the output layer not. A MoE's
     experts are fused 3-D parameters in transformers 5, not linear layers: there only attention gets them."""
-    heads = {id(model.get_output_embeddings())}
-    return sorted(
-        {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-         and id(m) not in heads and not name.endswith("lm_head")}
-    )  # fmt: skip
+    head = model.get_output_embeddings()
+    linear = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    return sorted({name.rpartition(".")[2] for name in linear})
 
 
 def add_lora(model: torch.nn.Module, rank: int, alpha: float) -> None:

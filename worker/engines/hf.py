@@ -23,7 +23,7 @@ from worker.sampling import sample_next
 def model_config(spec: ModelSpec) -> PretrainedConfig:
     """The transformers config `spec` describes: its config.json (any family), or the llama fields of a spec
     from a learner that sends none."""
-    config = spec.config()
+    config = dict(spec.config())  # a copy: the parsed config is shared
     if config:
         config.pop("transformers_version", None)
         return AutoConfig.for_model(config.pop("model_type"), **config)

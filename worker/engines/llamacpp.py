@@ -23,7 +23,14 @@ from p2p.config import ConfigError
 from p2p.draws import uniforms
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams, is_adapter
 from p2p.weights import to_float32
-from worker.gguf_writer import GGUFLayout, gguf_arrays, unsupported_by_writer, write_gguf, write_lora_gguf
+from worker.gguf_writer import (
+    GGUFLayout,
+    gguf_arrays,
+    unsupported_by_llama_layout,
+    unsupported_by_writer,
+    write_gguf,
+    write_lora_gguf,
+)
 from worker.sampling import sample_next
 
 log = logging.getLogger(__name__)
@@ -207,8 +214,12 @@ class LlamaCppEngine:
         return model
 
     def unsupported(self, spec: ModelSpec) -> str | None:
-        """Why this engine cannot run `spec`'s model (worker.gguf_writer writes llama-architecture GGUFs)."""
-        if reason := unsupported_by_writer(spec):
+        """Why this engine cannot run `spec`'s model: one worker.gguf_writer cannot write, or a LoRA run outside
+        the llama layout (only that layout's adapters are written for llama.cpp to hot-swap)."""
+        reason = unsupported_by_writer(spec)
+        if reason is None and spec.lora_rank and (layout := unsupported_by_llama_layout(spec)):
+            reason = f"LoRA adapters on {spec.recipe()['arch']} ({layout})"
+        if reason:
             return f"the llama.cpp engine does not run this model yet ({reason}): use --engine transformers"
         return None
 
