@@ -4,6 +4,7 @@ spec alone, and sampled by llama.cpp in the layout llama.cpp's own converter giv
 distribution the learner scores."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -85,8 +86,8 @@ def test_a_family_trains_lora_adapters_the_engine_merges(family):
 def test_the_llamacpp_engine_runs_every_family(family, tmp_path):
     """llama.cpp samples what the learner scores for every family: Llama and Mistral in the llama layout, the
     others in the layout llama.cpp's own converter gives them (learner.train.gguf_recipe); a new version of
-    the same model goes into the previous file's layout. A LoRA run outside the llama layout is named, with
-    the engine that runs it (its adapters would have to be merged on the worker)."""
+    the same model goes into the previous file's layout. LoRA adapters are hot-swapped in the llama layout
+    and merged onto the kept base weights in the others."""
     name, folder = family
     policy = load_policy(str(folder), "unused")
     spec = model_spec(policy)
@@ -99,57 +100,113 @@ def test_the_llamacpp_engine_runs_every_family(family, tmp_path):
             p.mul_(1.01)
     send_to_sampler(engine, spec, policy.model)  # the fast path: the new tensors into the old file's layout
     assert sample_and_score(policy, engine)[1] < 5e-3
+
+    add_lora(policy.model, 4, 8.0)
+    policy.lora_rank, policy.lora_alpha = 4, 8.0
+    spec = model_spec(policy)
+    send_to_sampler(engine, spec, policy.model)  # a LoRA run's first version: base and (zero) adapters
+    with torch.no_grad():  # a later version: adapters only, large enough to move every logprob
+        for n, p in policy.model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn_like(p) * 0.05)
+    send_to_sampler(engine, spec, policy.model, adapters_only=True)
+    assert (engine.adapter is not None) == (name in LLAMA_LAYOUT) and bool(engine.base) != (name in LLAMA_LAYOUT)
+    assert sample_and_score(policy, engine)[1] < 5e-3, name
     engine.close()
-    lora = dataclasses.replace(spec, lora_rank=4, lora_alpha=8.0)
-    reason = LlamaCppEngine(tmp_path / "lora", threads=1).unsupported(lora)
-    assert (reason is None) == (name in LLAMA_LAYOUT), reason
-    if reason:
-        assert "LoRA" in reason and "--engine transformers" in reason
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
-def test_a_colocated_run_trains_a_family(name, tmp_path):
-    """`echo-rl learner start --colocated --model DIR` on a Qwen3 (Gemma 3) folder: full weights with the
-    llama.cpp engine, exported as GGUF with the checkpoint's logits; LoRA with llama.cpp refused in one line;
-    LoRA with the transformers engine, exported as transformers folders (merged; base + peft adapters)."""
+def logits_agree(run_dir, load) -> float:
+    """The largest logit gap, on one rendered prompt, between a run's last checkpoint (as the learner held
+    it) and what `load(ids)` gives: an export loaded by transformers or llama.cpp."""
+    from tests.test_research import checkpoint_policy, logits_of
+
+    model, ids = checkpoint_policy(run_dir, None)
+    return float(np.abs(load(ids) - logits_of(model, ids)).max())
+
+
+def gguf_logits(path):
     import llama_cpp
+
+    def load(ids):
+        llm = llama_cpp.Llama(str(path), n_ctx=256, logits_all=True, verbose=False)
+        llm.eval(ids)
+        return np.array(llm.scores[: len(ids)])
+
+    return load
+
+
+def hf_logits(folder, adapters=False):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tests.test_research import checkpoint_policy, logits_of
+    from tests.test_research import logits_of
 
+    def load(ids):
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        return logits_of((PeftModel.from_pretrained(model, folder / "adapter") if adapters else model).eval(), ids)
+
+    return load
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_colocated_run_trains_a_family_and_exports_it(name, tmp_path):
+    """`echo-rl learner start --colocated --model DIR` on each family's folder with the llama.cpp engine; the
+    checkpoint exported as GGUF and as a transformers folder (the family's own class) gives its logits."""
     folder = save_family(name, tmp_path / "model")
-    common = ["learner", "start", "--colocated", "--model", str(folder), "--steps", "2", "--prompts-per-step", "2",
-              "--group-size", "2", "--max-new-tokens", "8"]  # fmt: skip
-    full = tmp_path / "full"
-    res = run_cli(*common, "--run-dir", str(full), "--engine", "llamacpp", "--lr", "5e-2")
+    run = tmp_path / "run"
+    res = run_cli("learner", "start", "--colocated", "--model", str(folder), "--steps", "2", "--prompts-per-step", "2",
+                  "--group-size", "2", "--max-new-tokens", "8", "--run-dir", str(run), "--engine", "llamacpp",
+                  "--lr", "5e-2")  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
-    res = run_cli("export", str(full), "--format", "gguf", "--out", str(tmp_path / "gguf"))
-    assert res.returncode == 0, res.stderr[-2000:]
-    model, ids = checkpoint_policy(full, None)
-    llm = llama_cpp.Llama(str(tmp_path / "gguf" / "model.gguf"), n_ctx=256, logits_all=True, verbose=False)
-    llm.eval(ids)
-    assert np.abs(np.array(llm.scores[: len(ids)]) - logits_of(model, ids)).max() < 5e-3  # F16 against float32
-    del llm
-
-    res = run_cli(*common, "--run-dir", str(tmp_path / "refused"), "--engine", "llamacpp", "--lora-rank", "4")
-    assert res.returncode != 0 and "--engine transformers" in res.stderr and "Traceback" not in res.stderr
-    lora = tmp_path / "lora"
-    res = run_cli(*common, "--run-dir", str(lora), "--engine", "transformers", "--lora-rank", "4", "--lr", "5e-2")
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert (lora / "metrics.jsonl").read_text().count("\n") == 2
-    model, ids = checkpoint_policy(lora, None)
-    for adapters in (False, True):
-        out = tmp_path / f"hf-{adapters}"
-        res = run_cli("export", str(lora), "--format", "hf", "--out", str(out), *(["--adapters"] * adapters))
+    assert (run / "metrics.jsonl").read_text().count("\n") == 2
+    for fmt in ("gguf", "hf"):
+        res = run_cli("export", str(run), "--format", fmt, "--out", str(tmp_path / fmt))
         assert res.returncode == 0, res.stderr[-2000:]
-        loaded = AutoModelForCausalLM.from_pretrained(out)
-        if adapters:
-            loaded = PeftModel.from_pretrained(loaded, out / "adapter")
-        assert type(loaded.get_base_model() if adapters else loaded) is type(model)  # the family's class
-        assert np.abs(logits_of(loaded.eval(), ids) - logits_of(model, ids)).max() < 1e-5
-    res = run_cli("export", str(lora), "--format", "gguf", "--adapters", "--out", str(tmp_path / "gguf-adapters"))
-    assert res.returncode == 2 and "without --adapters" in res.stderr and not (tmp_path / "gguf-adapters").exists()
+    assert logits_agree(run, gguf_logits(tmp_path / "gguf" / "model.gguf")) < 5e-3  # F16 against float32
+    assert logits_agree(run, hf_logits(tmp_path / "hf")) < 1e-5
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == policy_type(folder)
+
+
+def policy_type(folder) -> str:
+    return json.loads((folder / "config.json").read_text())["model_type"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_swarm_trains_a_family_with_lora_and_flags_no_honest_worker(name, swarm):
+    """A LoRA swarm run of each family's model: a transformers worker and a llama.cpp one (adapters hot-swapped
+    in the llama layout, merged onto the base in the others) generate; every group is verified (verify_first
+    covers the run) and none is flagged; the adapters moved, and the peft export gives the checkpoint's
+    logits. A GGUF of the adapters alone exists for the llama layout only; elsewhere it is refused in one line."""
+    folder = save_family(name, swarm.tmp / name)  # "phi3": the name llama.cpp keys token attributes on
+    data = swarm.tmp / "short.jsonl"  # a reward the random tiny model earns half the time: it really trains
+    data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": 40}) + "\n" for i in range(5)))
+    # --min-workers 2: no lease until both hold v0, or the first up may do the whole run
+    learner = swarm.learner("--model", str(folder), "--steps", "6", "--publish-every", "1", "--verify-first", "1000",
+                            "--min-workers", "2", "--lora-rank", "4", "--lr", "5e-2", "--task", f"jsonl:{data}",
+                            "--task-args", "reward=tests.rewards:starts_ascii")  # fmt: skip
+    swarm.worker("hf", "--engine", "transformers", "--max-groups", "1")
+    swarm.worker("llama", "--max-groups", "1")
+    assert swarm.wait(learner, 300) == 0, swarm.log("learner")[-3000:]
+    metrics = swarm.metrics()
+    assert len(metrics) == 6 and metrics[-1]["groups_dropped_flagged"] == 0
+    assert metrics[-1]["verification"]["groups"] >= metrics[-1]["groups_accepted"] > 0
+    assert "flagged" not in swarm.log("learner") and "Traceback" not in swarm.log("learner")
+    accepted = {w: r["groups_accepted"] for w, r in metrics[-1]["workers"].items()}
+    assert len(accepted) == 2 and min(accepted.values()) > 0, accepted
+
+    out = swarm.tmp / "export"
+    res = run_cli("export", str(swarm.run_dir), "--format", "hf", "--adapters", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    from safetensors.numpy import load_file
+
+    lora_b = [a for n, a in load_file(out / "adapter" / "adapter_model.safetensors").items() if "lora_B" in n]
+    assert lora_b and max(np.abs(b).max() for b in lora_b) > 0  # peft starts B at zero: the adapters trained
+    assert logits_agree(swarm.run_dir, hf_logits(out, adapters=True)) < 1e-5
+    res = run_cli("export", str(swarm.run_dir), "--format", "gguf", "--adapters", "--out", str(swarm.tmp / "gguf"))
+    if name in LLAMA_LAYOUT:
+        assert res.returncode == 0, res.stderr[-2000:]
+    else:
+        assert res.returncode == 2 and "without --adapters" in res.stderr and not (swarm.tmp / "gguf").exists()
 
 
 @pytest.mark.parametrize(
@@ -189,25 +246,6 @@ def test_the_spec_protocol_is_versioned(tiny):
     del old["protocol"], old["spec"]["hf_config"]
     reply = SpecReply.from_wire(old)
     assert reply.protocol == 1 and reply.spec.model_type == "llama"
-
-
-@pytest.mark.parametrize("name", ["qwen3_moe", "gemma3", "phi3"])
-def test_a_swarm_trains_a_family_and_flags_no_honest_worker(name, swarm):
-    """A swarm run of the family's model: a transformers worker and a llama.cpp one generate, every group of
-    theirs is verified (verify_first covers the run) and none is flagged."""
-    folder = save_family(name, swarm.tmp / name)  # "phi3": the name llama.cpp keys token attributes on
-    # --min-workers 2: no lease until both hold v0, or the first up may do the whole run
-    learner = swarm.learner("--model", str(folder), "--steps", "8", "--publish-every", "1", "--verify-first", "1000",
-                            "--min-workers", "2")  # fmt: skip
-    swarm.worker("hf", "--engine", "transformers", "--max-groups", "1")
-    swarm.worker("llama", "--max-groups", "1")
-    assert swarm.wait(learner, 300) == 0, swarm.log("learner")[-3000:]
-    metrics = swarm.metrics()
-    assert len(metrics) == 8 and metrics[-1]["groups_dropped_flagged"] == 0
-    assert metrics[-1]["verification"]["groups"] >= metrics[-1]["groups_accepted"] > 0
-    assert "flagged" not in swarm.log("learner") and "Traceback" not in swarm.log("learner")
-    accepted = {w: r["groups_accepted"] for w, r in metrics[-1]["workers"].items()}
-    assert len(accepted) == 2 and min(accepted.values()) > 0, accepted
 
 
 def test_models_load_from_the_hub_cache_in_shards_and_half_precision(tmp_path, monkeypatch):

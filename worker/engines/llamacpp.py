@@ -22,7 +22,7 @@ import numpy as np
 from p2p.config import ConfigError
 from p2p.draws import uniforms
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams, is_adapter
-from p2p.weights import to_float32
+from p2p.weights import lora_deltas, to_float32
 from worker.gguf_writer import (
     GGUFLayout,
     gguf_arrays,
@@ -89,6 +89,7 @@ class StagedLlama:
     model: llama_cpp.llama_model_p | None  # a new model, or None: the adapters go on the loaded one
     adapter: llama_cpp.llama_adapter_lora_p | None
     eos_ids: set[int]
+    base: dict[str, np.ndarray] | None = None  # with a new model: the base later adapters merge onto
 
 
 class LlamaCppEngine:
@@ -118,6 +119,7 @@ class LlamaCppEngine:
         self.n_vocab = 0
         self.eos_ids: set[int] = set()
         self.adapter: llama_cpp.llama_adapter_lora_p | None = None  # LoRA adapters on the model, if any
+        self.base: dict[str, np.ndarray] = {}  # outside the llama layout, a LoRA run's base (adapters merged)
         self._layout: tuple[ModelSpec, GGUFLayout] | None = None  # of the last GGUF written, to reuse
 
     # -- weights --------------------------------------------------------------------------------
@@ -129,15 +131,31 @@ class LlamaCppEngine:
         self, spec: ModelSpec, weights: Mapping[str, np.ndarray] | None, adapters: Mapping[str, np.ndarray] | None
     ) -> StagedLlama:
         """Load `weights` (None: keep the loaded model) and `adapters` on top, ready for install().
-        Wire tensors as they are (f16 goes into the F16 GGUF without a float32 round trip) or floats."""
-        model = None
+        Wire tensors as they are (f16 goes into the F16 GGUF without a float32 round trip) or floats.
+
+        Adapters in the llama layout are a GGUF LoRA llama.cpp hot-swaps. Other layouts have no adapter
+        writer (llama.cpp's converter maps base tensors, not adapters), so the engine keeps the base weights
+        and merges, W = W_base + (alpha / r) B A, into a new model file: the adapters still travel alone,
+        but every version is a full rewrite and the worker holds the base beside llama.cpp's copy."""
+        if reason := self.unsupported(spec):
+            raise ConfigError(reason)
+        merge = bool(spec.lora_rank) and unsupported_by_llama_layout(spec) is not None
+        model, base = None, None
         if weights is not None:
-            if reason := self.unsupported(spec):
-                raise ConfigError(reason)
             weights = {name: a if a.dtype == np.float16 else to_float32(a) for name, a in weights.items()}
-            model = self._load_model(self._write(spec, weights))
+            base = weights if merge else None
+            if not (merge and adapters):  # else the merged weights are the ones loaded
+                model = self._load_model(self._write(spec, weights))
         adapter = None
-        if adapters:
+        if adapters and merge:
+            kept = base if base is not None else self.base
+            if not kept:
+                raise RuntimeError("no base weights kept: stage weights before adapters")
+            merged = dict(kept)
+            for name, delta in lora_deltas(adapters, spec.lora_alpha / spec.lora_rank):
+                merged[name] = to_float32(kept[name]) + delta
+            model, base = self._load_model(self._write(spec, merged)), kept
+        elif adapters:
             target = model or self.model
             if target is None:
                 raise RuntimeError("no policy loaded: stage weights before adapters")
@@ -148,13 +166,14 @@ class LlamaCppEngine:
                 if model is not None:
                     llama_cpp.llama_model_free(model)
                 raise RuntimeError(f"llama.cpp could not load the LoRA adapter {path}")
-        return StagedLlama(model, adapter, set(spec.eos_ids))
+        return StagedLlama(model, adapter, set(spec.eos_ids), base)
 
     def install(self, staged: StagedLlama) -> None:
         """Swap a staged model and/or adapters in (between leases): the KV cache held the old policy."""
         if staged.model is not None:
             self.close()
             self.model = staged.model
+            self.base = staged.base or {}
             self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(staged.model))
             self.eos_ids = staged.eos_ids
         if staged.adapter is not None:
@@ -191,7 +210,7 @@ class LlamaCppEngine:
         self.install(self.stage(spec, base, adapters or None))
 
     def load_adapters(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None:
-        """Hot-swap LoRA adapters onto the loaded model (no model reload)."""
+        """LoRA adapters onto the loaded model: hot-swapped in the llama layout, else merged (see stage)."""
         if self.model is None:
             raise RuntimeError("no policy loaded: call load_policy() first")
         self.install(self.stage(spec, None, tensors))
@@ -214,12 +233,8 @@ class LlamaCppEngine:
         return model
 
     def unsupported(self, spec: ModelSpec) -> str | None:
-        """Why this engine cannot run `spec`'s model: one worker.gguf_writer cannot write, or a LoRA run outside
-        the llama layout (only that layout's adapters are written for llama.cpp to hot-swap)."""
-        reason = unsupported_by_writer(spec)
-        if reason is None and spec.lora_rank and (layout := unsupported_by_llama_layout(spec)):
-            reason = f"LoRA adapters on {spec.recipe()['arch']} ({layout})"
-        if reason:
+        """Why this engine cannot run `spec`'s model: one worker.gguf_writer cannot write."""
+        if reason := unsupported_by_writer(spec):
             return f"the llama.cpp engine does not run this model yet ({reason}): use --engine transformers"
         return None
 
