@@ -1,11 +1,19 @@
 """Sampling in our own code, so that every sampled token comes with its exact behaviour logprob and is
-drawn from the lease's counter-based stream (p2p.draws), which the learner can replay."""
+drawn from the lease's counter-based stream (p2p.draws), which the learner can replay.
+
+generate_waves is the one sampling loop (waves, draws, top-p, stop tokens, regrouping); an engine only
+gives it next-token logits (LogitsBackend), so engines that compute the same logits draw the same tokens.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Container, Sequence
+from typing import Protocol
+
 import numpy as np
 
-from p2p.draws import inverse_cdf
+from p2p.draws import inverse_cdf, uniforms
+from p2p.messages import Completion, GenerationRequest, SamplingParams
 
 
 def sample_next(logits: np.ndarray, temperature: float, top_p: float, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -47,3 +55,74 @@ def policy_distribution(logits: np.ndarray, temperature: float, top_p: float) ->
         probs = probs / kept_mass
         logp = np.where(keep, logp - np.log(kept_mass), -np.inf)
     return probs, logp
+
+
+class LogitsBackend(Protocol):
+    """What the sampling loop asks an engine for: next-token logits of the sequences of one wave.
+
+    A wave's sequences are numbered 0..n-1 in request order, request k's G completions consecutive."""
+
+    def prefill(self, wave: Sequence[GenerationRequest], max_new_tokens: int) -> np.ndarray:
+        """Read every prompt of `wave` (forgetting earlier waves), with room for `max_new_tokens` more per
+        sequence; the logits [n, V] after each sequence's prompt."""
+        ...
+
+    def decode(self, seqs: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        """Append tokens[i] to sequence seqs[i] (the live ones, ascending); their next logits [len(seqs), V]."""
+        ...
+
+    def release(self, seq: int) -> None:
+        """Sequence `seq` has stopped: what it holds may be freed."""
+        ...
+
+
+def generate_waves(
+    backend: LogitsBackend,
+    requests: Sequence[GenerationRequest],
+    params: SamplingParams,
+    eos_ids: Container[int],
+    max_batch: int,
+) -> list[list[Completion]]:
+    """Complete every request `group_size` times, one list of completions per request, in order.
+
+    Waves: consecutive requests while their sequences fit in `max_batch` (at least one request). In a wave
+    every live sequence gets one token per decode call: token t of completion c of group g is p's inverse
+    CDF at the lease's draw (seed, (g, c, position + t)) (p2p.draws), p = sample_next's distribution, so
+    any engine that computes the same logits draws the same tokens, and the learner can replay them. A
+    sequence stops at an end-of-turn token ("stop") or after max_new_tokens ("length")."""
+    out: list[list[Completion]] = []
+    wave: list[GenerationRequest] = []
+    for request in requests:
+        if wave and sum(r.group_size for r in wave) + request.group_size > max_batch:
+            out += _generate_wave(backend, wave, params, eos_ids)
+            wave = []
+        wave.append(request)
+    return out + (_generate_wave(backend, wave, params, eos_ids) if wave else [])
+
+
+def _generate_wave(
+    backend: LogitsBackend, wave: Sequence[GenerationRequest], params: SamplingParams, eos_ids: Container[int]
+) -> list[list[Completion]]:
+    keys = [(r.group, r.completion + j, r.position) for r in wave for j in range(r.group_size)]  # per sequence
+    seqs = [Completion(tokens=[], logprobs=[], finish_reason="length") for _ in keys]
+    logits = backend.prefill(wave, params.max_new_tokens)  # [n, V]
+    alive = list(range(len(seqs)))
+    for t in range(params.max_new_tokens):
+        u = uniforms(params.seed, [(g, c, position + t) for g, c, position in (keys[s] for s in alive)])
+        tokens, logprobs = sample_next(logits, params.temperature, params.top_p, u)
+        still = []
+        for s, token, logprob in zip(alive, tokens.tolist(), logprobs.tolist(), strict=True):
+            seqs[s].tokens.append(token)
+            seqs[s].logprobs.append(logprob)
+            if token in eos_ids:
+                seqs[s].finish_reason = "stop"
+            elif t + 1 < params.max_new_tokens:
+                still.append(s)
+                continue
+            backend.release(s)
+        alive = still
+        if not alive:
+            break
+        logits = backend.decode(alive, [seqs[s].tokens[-1] for s in alive])  # [len(alive), V]
+    starts = np.cumsum([0] + [r.group_size for r in wave]).tolist()
+    return [seqs[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]

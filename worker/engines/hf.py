@@ -14,10 +14,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from p2p.config import ConfigError
-from p2p.draws import uniforms
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams, is_adapter
 from p2p.weights import lora_deltas, to_float32
-from worker.sampling import sample_next
+from worker.sampling import generate_waves
 
 
 def model_config(spec: ModelSpec) -> PretrainedConfig:
@@ -59,8 +58,8 @@ class TransformersEngine:
 
     Waves, as the llama.cpp engine: floor(max_batch / G) prompt groups at once (at least one), every
     prompt repeated G times, left-padded to the wave's longest prompt (masked, positions counted from
-    each prompt's first token), one KV cache. Tokens are drawn by worker.sampling.sample_next from the
-    lease's draws, so the behaviour logprob is that of the distribution each token was drawn from.
+    each prompt's first token), one KV cache. The engine gives next-token logits to
+    worker.sampling.generate_waves, which draws each token from the lease's draws with its behaviour logprob.
     """
 
     def __init__(self, threads: int = 2, max_batch: int = 32, device: str = "auto") -> None:
@@ -71,6 +70,10 @@ class TransformersEngine:
         self.hf_config: str | None = None  # the spec the model was built from
         self.eos_ids: set[int] = set()
         self.base: dict[str, torch.Tensor] = {}  # the weights as loaded, before LoRA adapters
+        # the wave being generated (prefill, decode): attention mask [R, P + t], KV cache, next positions [R, 1]
+        self._mask = torch.zeros(0, 0, dtype=torch.long)
+        self._cache = DynamicCache()
+        self._next_position = torch.zeros(0, 1, dtype=torch.long)
 
     # Staging (the worker's fetcher thread) converts weights to tensors on the device while generate() runs;
     # install() copies them into the model between leases.
@@ -142,58 +145,42 @@ class TransformersEngine:
         if self.model is None:
             raise RuntimeError("no policy loaded: call load_policy() first")
         torch.set_num_threads(self.threads)
-        out: list[list[Completion]] = []
-        wave: list[GenerationRequest] = []
-        for request in requests:  # consecutive requests while their sequences fit in max_batch
-            if wave and sum(r.group_size for r in wave) + request.group_size > self.max_batch:
-                out += self._generate_wave(wave, params)
-                wave = []
-            wave.append(request)
-        return out + (self._generate_wave(wave, params) if wave else [])
+        return generate_waves(self, requests, params, self.eos_ids, self.max_batch)
 
-    def _generate_wave(self, wave: list[GenerationRequest], params: SamplingParams) -> list[list[Completion]]:
-        rows = [(r, j) for r in wave for j in range(r.group_size)]  # (request, completion index) per row
-        width = max(len(r.prompt_ids) for r in wave)
+    # -- next-token logits for worker.sampling.generate_waves (LogitsBackend) --------------------
+
+    @torch.no_grad()
+    def prefill(self, wave: Sequence[GenerationRequest], max_new_tokens: int) -> np.ndarray:
+        """Every prompt repeated G times, left-padded to the wave's longest (masked, positions counted from
+        each prompt's first token), in one forward pass that fills the wave's KV cache."""
+        rows = [r.prompt_ids for r in wave for _ in range(r.group_size)]
+        width = max(len(p) for p in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long)  # [R, P] left-padded prompts
         mask = torch.zeros(len(rows), width, dtype=torch.long)  # [R, P]
-        for i, (r, _) in enumerate(rows):
-            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            mask[i, width - len(r.prompt_ids) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(1) - 1).clamp(min=0)  # [R, P] each prompt's tokens from position 0
-        cache = DynamicCache()
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
-        )
-        seqs = [Completion(tokens=[], logprobs=[], finish_reason="length") for _ in rows]
-        alive = np.ones(len(rows), dtype=bool)
-        next_position = positions[:, -1:] + 1  # [R, 1]
-        for position in range(params.max_new_tokens):
-            logits = out.logits[:, -1, :].float().cpu().numpy()  # [R, V]
-            u = uniforms(
-                params.seed, [(r.group, r.completion + j, r.position + position) for r, j in rows]
-            )  # p2p.draws
-            tokens, logprobs = sample_next(logits, params.temperature, params.top_p, u)
-            for i in np.nonzero(alive)[0]:
-                seqs[i].tokens.append(int(tokens[i]))
-                seqs[i].logprobs.append(float(logprobs[i]))
-                if int(tokens[i]) in self.eos_ids:
-                    seqs[i].finish_reason = "stop"
-                    alive[i] = False
-            if not alive.any():
-                break
-            # finished rows keep decoding a dummy token; their output is ignored
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # [R, P + position + 1]
-            out = self.model(
-                input_ids=torch.from_numpy(tokens)[:, None].to(self.device), attention_mask=mask,
-                position_ids=next_position, past_key_values=cache, use_cache=True,
-            )  # fmt: skip
-            next_position = next_position + 1
-        groups, start = [], 0
-        for r in wave:
-            groups.append(seqs[start : start + r.group_size])
-            start += r.group_size
-        return groups
+        for i, prompt in enumerate(rows):
+            ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
+        self._mask = mask.to(self.device)
+        positions = (self._mask.cumsum(1) - 1).clamp(min=0)  # [R, P] each prompt's tokens from position 0
+        self._cache = DynamicCache()
+        out = self.model(input_ids=ids.to(self.device), attention_mask=self._mask, position_ids=positions,
+                         past_key_values=self._cache, use_cache=True)  # fmt: skip
+        self._next_position = positions[:, -1:] + 1  # [R, 1]
+        return out.logits[:, -1, :].float().cpu().numpy()  # [R, V]
+
+    @torch.no_grad()
+    def decode(self, seqs: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        """One token for every row of the wave: stopped rows decode a dummy token, their logits unused."""
+        step = torch.zeros(len(self._mask), 1, dtype=torch.long)  # [R, 1]
+        step[list(seqs), 0] = torch.tensor(tokens)
+        self._mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], dim=1)  # [R, P + t + 1]
+        out = self.model(input_ids=step.to(self.device), attention_mask=self._mask,
+                         position_ids=self._next_position, past_key_values=self._cache, use_cache=True)  # fmt: skip
+        self._next_position = self._next_position + 1
+        return out.logits[list(seqs), -1, :].float().cpu().numpy()  # [len(seqs), V]
+
+    def release(self, seq: int) -> None:
+        """Rows stay in the batch until the wave ends (the cache is one tensor per layer)."""
 
 
 def engine_device(name: str) -> torch.device:

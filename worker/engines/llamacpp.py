@@ -2,9 +2,9 @@
 
 llama-cpp-python's high-level API decodes one sequence at a time and its logprobs path is slow. Here
 the low-level API decodes every live sequence of a wave in one `llama_decode` call: the G completions
-of a prompt share the prompt's KV cells (`llama_memory_seq_cp`), and tokens are drawn by
-`worker.sampling.sample_next` from the lease's counter-based stream (p2p.draws), which also gives the
-exact behaviour logprob of each token.
+of a prompt share the prompt's KV cells (`llama_memory_seq_cp`). The engine gives next-token logits to
+worker.sampling.generate_waves, which draws every token from the lease's counter-based stream (p2p.draws)
+with its exact behaviour logprob.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import llama_cpp
 import numpy as np
 
 from p2p.config import ConfigError
-from p2p.draws import uniforms
 from p2p.messages import Completion, GenerationRequest, ModelSpec, SamplingParams, is_adapter
 from p2p.weights import lora_deltas, to_float32
 from worker.gguf_writer import (
@@ -31,7 +30,7 @@ from worker.gguf_writer import (
     write_gguf,
     write_lora_gguf,
 )
-from worker.sampling import sample_next
+from worker.sampling import generate_waves
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +120,7 @@ class LlamaCppEngine:
         self.adapter: llama_cpp.llama_adapter_lora_p | None = None  # LoRA adapters on the model, if any
         self.base: dict[str, np.ndarray] = {}  # outside the llama layout, a LoRA run's base (adapters merged)
         self._layout: tuple[ModelSpec, GGUFLayout] | None = None  # of the last GGUF written, to reuse
+        self._next_pos: list[int] = []  # per sequence of the wave being generated: its next token's position
 
     # -- weights --------------------------------------------------------------------------------
     # Staging runs on the worker's fetcher thread while generate() runs on the main thread with the loaded
@@ -254,7 +254,8 @@ class LlamaCppEngine:
             self.model = None
 
     def __del__(self) -> None:
-        if hasattr(self, "ctx"):  # a constructor that raised has nothing to free
+        # a constructor that raised has nothing to free; at interpreter exit llama_cpp may be gone already
+        if hasattr(self, "ctx") and llama_cpp is not None:
             self.close()
 
     def _free_context(self) -> None:
@@ -291,77 +292,43 @@ class LlamaCppEngine:
         """Complete every request `group_size` times; returns one list of completions per request."""
         if self.model is None:
             raise RuntimeError("no policy loaded: call load_policy() first")
-        results: list[list[Completion]] = []
-        wave: list[GenerationRequest] = []
-        wave_seqs = 0
-        for request in requests:
-            if request.group_size > self.max_batch:
-                raise ConfigError(f"group size {request.group_size} exceeds max_batch {self.max_batch}")
-            if wave_seqs + request.group_size > self.max_batch:
-                results.extend(self._generate_wave(wave, params))
-                wave, wave_seqs = [], 0
-            wave.append(request)
-            wave_seqs += request.group_size
-        if wave:
-            results.extend(self._generate_wave(wave, params))
-        return results
+        if too_big := [r.group_size for r in requests if r.group_size > self.max_batch]:
+            raise ConfigError(f"group size {too_big[0]} exceeds max_batch {self.max_batch}")
+        return generate_waves(self, requests, params, self.eos_ids, self.max_batch)
 
-    def _generate_wave(self, wave: list[GenerationRequest], params: SamplingParams) -> list[list[Completion]]:
+    # -- next-token logits for worker.sampling.generate_waves (LogitsBackend) --------------------
+
+    def prefill(self, wave: Sequence[GenerationRequest], max_new_tokens: int) -> np.ndarray:
+        """Request k's prompt goes to its first sequence, whose cells its G - 1 siblings then share
+        (llama_memory_seq_cp on a unified cache): the prompt is read once per group."""
         n_seqs = sum(r.group_size for r in wave)
-        self._ensure_context(sum(len(r.prompt_ids) for r in wave) + n_seqs * params.max_new_tokens + 16)
+        self._ensure_context(sum(len(r.prompt_ids) for r in wave) + n_seqs * max_new_tokens + 16)
         memory = llama_cpp.llama_get_memory(self.ctx)
         llama_cpp.llama_memory_clear(memory, True)
-
-        # Prefill: request k's prompt goes to sequence first_seq[k]; keep logits of its last token only.
         first_seq = np.cumsum([0] + [r.group_size for r in wave[:-1]]).tolist()
-        flat = [
+        flat = [  # keep the logits of each prompt's last token only
             (tok, pos, first_seq[k], pos == len(r.prompt_ids) - 1)
             for k, r in enumerate(wave)
             for pos, tok in enumerate(r.prompt_ids)
         ]
-        last_logits = []
-        for start in range(0, len(flat), self.n_batch):
-            last_logits.append(self._decode(flat[start : start + self.n_batch]))
-        prompt_logits = np.concatenate(last_logits)  # [len(wave), V] in request order
-
+        prompt_logits = np.concatenate(
+            [self._decode(flat[start : start + self.n_batch]) for start in range(0, len(flat), self.n_batch)]
+        )  # [len(wave), V] in request order
         for k, r in enumerate(wave):
             for j in range(1, r.group_size):
                 llama_cpp.llama_memory_seq_cp(memory, first_seq[k], first_seq[k] + j, -1, -1)
+        self._next_pos = [len(r.prompt_ids) for r in wave for _ in range(r.group_size)]  # per sequence
+        return np.repeat(prompt_logits, [r.group_size for r in wave], axis=0)  # [n_seqs, V]
 
-        # The first token of every sequence comes from its prompt's logits.
-        rows = np.repeat(prompt_logits, [r.group_size for r in wave], axis=0)  # [n_seqs, V]
-        seqs = [Completion(tokens=[], logprobs=[], finish_reason="length") for _ in range(n_seqs)]
-        # sequence -> (group, completion, position of its first token): the key of its draws (p2p.draws)
-        keys = [(r.group, r.completion + j, r.position) for r in wave for j in range(r.group_size)]
-        u = uniforms(params.seed, [keys[s] for s in range(n_seqs)])
-        tokens, logprobs = sample_next(rows, params.temperature, params.top_p, u)
-        positions = [len(r.prompt_ids) for r in wave for _ in range(r.group_size)]
-        alive = list(range(n_seqs))
-        while True:
-            still = []
-            for i, seq_id in enumerate(alive):
-                tok = int(tokens[i])
-                seqs[seq_id].tokens.append(tok)
-                seqs[seq_id].logprobs.append(float(logprobs[i]))
-                if tok in self.eos_ids:
-                    seqs[seq_id].finish_reason = "stop"
-                elif len(seqs[seq_id].tokens) < params.max_new_tokens:
-                    still.append(seq_id)
-                    continue
-                llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
-            alive = still
-            if not alive:
-                break
-            batch = [(seqs[s].tokens[-1], positions[s] + len(seqs[s].tokens) - 1, s, True) for s in alive]
-            logits = self._decode(batch)  # [len(alive), V]
-            u = uniforms(params.seed, [(*keys[s][:2], keys[s][2] + len(seqs[s].tokens)) for s in alive])
-            tokens, logprobs = sample_next(logits, params.temperature, params.top_p, u)
+    def decode(self, seqs: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        """One token for each live sequence, all in one llama_decode call."""
+        logits = self._decode([(tok, self._next_pos[s], s, True) for s, tok in zip(seqs, tokens, strict=True)])
+        for s in seqs:
+            self._next_pos[s] += 1
+        return logits  # [len(seqs), V]
 
-        out, start = [], 0
-        for r in wave:
-            out.append(seqs[start : start + r.group_size])
-            start += r.group_size
-        return out
+    def release(self, seq: int) -> None:
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), seq, -1, -1)
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Next-token logits [T, V] at every position of one sequence (for checks against torch)."""
