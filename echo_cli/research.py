@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from pathlib import Path
 
@@ -11,6 +12,8 @@ from rich.table import Table
 
 from echo_cli.config import build_config, parse_key_values
 from echo_cli.terminal import console, fail, setup_logging, user_errors
+
+log = logging.getLogger(__name__)
 
 TARGET_HELP = "A run directory (its newest checkpoint, or --step) or a checkpoints/step-N folder."
 
@@ -99,6 +102,19 @@ def export_command(
     console.print(f"exported {checkpoint} to {out}: {', '.join(files)}", highlight=False)
 
 
+def gguf_tokenizer(policy: object) -> list | None:
+    """The policy's tokenizer as llama.cpp's converter writes it, so that llama.cpp tokenizes text with the
+    exported GGUF as the model does; None, said in a warning, where the converter does not know it."""
+    from learner.train.gguf_recipe import RecipeError, tokenizer_metadata
+
+    try:
+        return tokenizer_metadata(policy.model, policy.tokenizer)
+    except RecipeError as exc:
+        log.warning("%s: the GGUF holds the vocabulary as byte-level BPE with llama.cpp's default pre-tokenizer "
+                    "(token ids as the model's; llama.cpp's own tokenization of text may differ)", exc)  # fmt: skip
+        return None
+
+
 def export_checkpoint(cfg: object, checkpoint: Path, fmt: str, adapters: bool, out: Path) -> list[str]:
     """Load `checkpoint` and write it to `out` (built beside it, renamed into place: never half a folder).
 
@@ -136,7 +152,8 @@ def export_checkpoint(cfg: object, checkpoint: Path, fmt: str, adapters: bool, o
                 save_peft_adapters(policy, tmp / "adapter", out)
         else:
             tensors = wire_tensors(policy.model)
-            write_gguf(tmp / "model.gguf", spec, {n: a for n, a in tensors.items() if not is_adapter(n)})
+            base = {n: a for n, a in tensors.items() if not is_adapter(n)}
+            write_gguf(tmp / "model.gguf", spec, base, tokenizer_kv=gguf_tokenizer(policy))
             if adapters:
                 write_lora_gguf(tmp / "adapter.gguf", spec, {n: a for n, a in tensors.items() if is_adapter(n)})
     except BaseException:

@@ -11,12 +11,18 @@ message's content (with SmolLM2's template "<|im_end|>\\n<|im_start|>user\\n"), 
 stop token when its turn ended with one (the model already wrote "<|im_end|>"), and observation_close what it
 puts after a user message when a reply is asked for ("<|im_end|>\\n<|im_start|>assistant\\n").
 
+Reasoning models (Qwen3, DeepSeek-R1 distills) think before they answer, in a block between <think> and
+</think>, each one token of their vocabulary. An environment and a reward read the answer only
+(without_thinking): what follows the last </think>; a turn cut off while thinking has no answer. The thinking
+tokens are still sampled and trained like any other.
+
 The learner derives the pieces from the template (learner.train.models.chat_format) and sends them with the
 tokenizer's JSON to workers, so both sides encode and decode with the same `tokenizers.Tokenizer`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -26,6 +32,24 @@ from tokenizers import Tokenizer
 from p2p.wire import FrameError, bounded_decompress
 
 MAX_TOKENIZER_JSON = 64 << 20  # bytes of a tokenizer a worker accepts from the learner, decompressed
+THINK = ("<think>", "</think>")  # a reasoning model's thinking block, one token each in its vocabulary
+
+
+def think_ids(token_id: Callable[[str], int | None]) -> tuple[int, int] | None:
+    """(<think>, </think>) ids of a vocabulary (`token_id`: a token's id or None), or None for a model whose
+    vocabulary has no single thinking tokens."""
+    ids = [token_id(t) for t in THINK]
+    return (ids[0], ids[1]) if None not in ids else None
+
+
+def without_thinking(tokens: list[int], think: tuple[int, int] | None) -> list[int]:
+    """The answer of a model turn: the tokens after its last </think>; none ([]) if it opened <think> and never
+    closed it (cut off while thinking); all of them for a model without thinking tokens (`think` None)."""
+    if think is None:
+        return tokens
+    if think[1] in tokens:
+        return tokens[len(tokens) - tokens[::-1].index(think[1]) :]
+    return [] if think[0] in tokens else tokens
 
 
 @dataclass(frozen=True)
@@ -42,8 +66,12 @@ class ChatFormat:
         return Tokenizer.from_str(self.tokenizer_json)
 
     def decode(self, tokens: list[int]) -> str:
-        """A model turn as the environment reads it: special tokens removed."""
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        """A model turn as the environment reads it: its answer (without_thinking), special tokens removed."""
+        return self.tokenizer.decode(without_thinking(tokens, self.think), skip_special_tokens=True)
+
+    @cached_property
+    def think(self) -> tuple[int, int] | None:
+        return think_ids(self.tokenizer.token_to_id)
 
     def observation_ids(self, text: str, turn: list[int]) -> list[int]:
         """The tokens of observation `text` after the model turn `turn` (see the module docstring)."""

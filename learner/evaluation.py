@@ -148,4 +148,4 @@ class Evaluator:
         for one the environment does not reproduce)."""
         if self.episodes is not None:
             return [clamp_reward(replay_episode(c, problem.answer, self.episodes).reward) for c in group]
-        return [clamp_reward(self.task.reward(self.policy.decode(c.tokens), problem.answer)) for c in group]
+        return [clamp_reward(self.task.reward(self.policy.response(c.tokens), problem.answer)) for c in group]

@@ -85,6 +85,27 @@ if [ ! -f "$CONVERT/.from-0.3.36" ] || [ ! -d "$GGUF_PY" ]; then
 fi
 $PIP install -q --no-deps --force-reinstall "$GGUF_PY"
 
+# Two released tokenizers, for the tests' tiny models (tests/families.py): Qwen's byte-level BPE (the dashscope
+# wheel ships it as qwen.tiktoken) and Mistral 7B's SentencePiece model (mistral-common ships tokenizer.model.v1).
+# Only the data files are kept; neither package is installed.
+TOKENIZERS=$VENV/share/tokenizers
+if [ ! -f "$TOKENIZERS/.from-dashscope-2.0.2-mistral-common-1.13.1" ]; then
+    echo "setup: unpacking the Qwen and Mistral tokenizers for the tests"
+    tmp=$(mktemp -d)
+    $PIP download -q --no-deps --only-binary :all: "dashscope==2.0.2" "mistral-common==1.13.1" -d "$tmp"
+    rm -rf "$TOKENIZERS" && mkdir -p "$TOKENIZERS"
+    "$VENV/bin/python" - "$tmp" "$TOKENIZERS" <<'PY'
+import sys, zipfile
+from pathlib import Path
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+for wheel, member, name in [("dashscope-2.0.2", "dashscope/resources/qwen.tiktoken", "qwen.tiktoken"),
+                            ("mistral_common-1.13.1", "mistral_common/data/tokenizer.model.v1", "mistral-v1.model")]:
+    (dst / name).write_bytes(zipfile.ZipFile(next(src.glob(wheel + "-*.whl"))).read(member))
+PY
+    rm -rf "$tmp"
+    touch "$TOKENIZERS/.from-dashscope-2.0.2-mistral-common-1.13.1"
+fi
+
 # say what was built: llama.cpp's backends and whether torch sees a GPU (the learner's --device auto)
 "$VENV/bin/python" - <<'PY'
 import torch

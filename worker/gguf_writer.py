@@ -94,7 +94,13 @@ def write_lora_gguf(path: str | Path, spec: ModelSpec, tensors: Mapping[str, np.
     return _finish(writer, tmp, path)
 
 
-def write_gguf(path: str | Path, spec: ModelSpec, tensors: Mapping[str, np.ndarray], name: str | None = None) -> Path:
+def write_gguf(
+    path: str | Path,
+    spec: ModelSpec,
+    tensors: Mapping[str, np.ndarray],
+    name: str | None = None,
+    tokenizer_kv: list | None = None,
+) -> Path:
     """Write `tensors` (HF names, float arrays) to `path` as GGUF; matrices in F16, vectors and norms in F32.
 
     The file is written next to its destination and renamed into place, so a reader never sees half a
@@ -103,11 +109,15 @@ def write_gguf(path: str | Path, spec: ModelSpec, tensors: Mapping[str, np.ndarr
     `name` (general.name, default the spec's): llama.cpp keys token attributes on it (a name holding "phi3"
     wants Phi-3's special tokens), which matter where llama.cpp tokenizes text: an export keeps the model's
     name, a worker's sampler (prompts arrive as token ids) passes a neutral one.
+
+    `tokenizer_kv` (learner.train.gguf_recipe.tokenizer_metadata: llama.cpp's converter's tokenizer.* keys, for
+    an export that llama.cpp tokenizes text with) replaces the spec's vocabulary, written as byte-level BPE
+    (enough for a worker: prompts arrive as token ids).
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if unsupported_by_llama_layout(spec) is not None:
-        return _write_by_recipe(tmp, path, spec, tensors, name or spec.name)
+        return _write_by_recipe(tmp, path, spec, tensors, name or spec.name, tokenizer_kv)
     writer = gguf.GGUFWriter(str(tmp), arch="llama")
     writer.add_name(name or spec.name)
     writer.add_context_length(spec.max_position)
@@ -123,33 +133,43 @@ def write_gguf(path: str | Path, spec: ModelSpec, tensors: Mapping[str, np.ndarr
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_vocab_size(spec.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    _add_tokenizer(writer, spec)
+    _add_tokenizer(writer, spec, tokenizer_kv)
     for name, array in gguf_arrays(spec, tensors):
         writer.add_tensor(name, array)
     return _finish(writer, tmp, path)
 
 
-def _write_by_recipe(tmp: Path, path: Path, spec: ModelSpec, tensors: Mapping[str, np.ndarray], name: str) -> Path:
+def _write_by_recipe(
+    tmp: Path, path: Path, spec: ModelSpec, tensors: Mapping[str, np.ndarray], name: str, tokenizer_kv: list | None
+) -> Path:
     """The GGUF of a family the llama layout does not cover: the recipe's metadata and tensor programs."""
     recipe = spec.recipe()
     writer = gguf.GGUFWriter(str(tmp), arch=recipe["arch"])
-    try:
-        for key, value, vtype, sub_type in recipe["kv"]:
-            if key not in ("general.architecture", "general.file_type"):
-                sub = None if sub_type is None else gguf.GGUFValueType(sub_type)
-                writer.add_key_value(key, value, gguf.GGUFValueType(vtype), sub_type=sub)
-    except (ValueError, TypeError) as exc:
-        raise RuntimeError(f"the learner's GGUF recipe has unreadable metadata ({exc})") from None
+    _add_kv(writer, recipe["kv"])
     writer.add_name(name)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    _add_tokenizer(writer, spec)
+    _add_tokenizer(writer, spec, tokenizer_kv)
     for tensor_name, array in gguf_arrays(spec, tensors):
         writer.add_tensor(tensor_name, array)
     return _finish(writer, tmp, path)
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, spec: ModelSpec) -> None:
-    """The spec's byte-level BPE vocabulary and special tokens (prompts arrive as token ids)."""
+def _add_kv(writer: gguf.GGUFWriter, kv: list) -> None:
+    """Metadata in the recipe's form, [key, value, value type, array item type | None]; the architecture and
+    file type are the writer's own."""
+    try:
+        for key, value, vtype, sub_type in kv:
+            if key not in ("general.architecture", "general.file_type"):
+                sub = None if sub_type is None else gguf.GGUFValueType(sub_type)
+                writer.add_key_value(key, value, gguf.GGUFValueType(vtype), sub_type=sub)
+    except (ValueError, TypeError) as exc:
+        raise RuntimeError(f"the learner's GGUF recipe has unreadable metadata ({exc})") from None
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, spec: ModelSpec, tokenizer_kv: list | None) -> None:
+    """`tokenizer_kv` where given, else the spec's byte-level BPE vocabulary and special tokens."""
+    if tokenizer_kv is not None:
+        return _add_kv(writer, tokenizer_kv)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(spec.tokenizer_pre)
     writer.add_token_list(spec.tokens)

@@ -88,7 +88,7 @@ def score_groups(
                             rules.spec.name, problem.answer, error)  # fmt: skip
                 returns = [0.0] * len(group)
         else:
-            returns = [task.reward(policy.decode(c.tokens), problem.answer) for c in group]
+            returns = [task.reward(policy.response(c.tokens), problem.answer) for c in group]
         # any reward function's value, made safe to normalise: non-finite scores 0, clamped to +-REWARD_LIMIT
         rewards = [clamp_reward(r) for r in returns]
         advantages = group_advantages(torch.tensor([rewards], dtype=torch.float64))[0].tolist()  # [G]

@@ -22,6 +22,7 @@ import copy
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -103,28 +104,8 @@ class _Tracer(TorchFunctionMode):
 def gguf_recipe(model: torch.nn.Module, tokenizer: Any, shapes: dict[str, tuple[int, ...]]) -> dict:
     """The recipe of `model` (its config, and `shapes`: its wire tensors' names and shapes, LoRA adapters
     excluded); RecipeError if the converter cannot lay it out."""
-    if not (CONVERTER / "conversion").is_dir():
-        raise RecipeError(f"llama.cpp's converter is not unpacked in {CONVERTER}: run ./scripts/setup.sh")
-    if str(CONVERTER) not in sys.path:
-        sys.path.insert(0, str(CONVERTER))
-    os.environ.setdefault("NO_LOCAL_GGUF", "1")  # the installed gguf is the converter's (scripts/setup.sh)
-    import gguf
-    from conversion import ModelBase, ModelType, get_model_architecture, get_model_class
-    from transformers.core_model_loading import revert_weight_conversion
-
-    for name in ("hf-to-gguf", "gguf.gguf_writer"):  # the converter's own chatter ("Duplicated key name")
-        logging.getLogger(name).setLevel(logging.ERROR)
     tracer = _Tracer()
     with tempfile.TemporaryDirectory(prefix="echo-rl-recipe-") as tmp:
-        config = copy.deepcopy(model.config)
-        config.architectures = config.architectures or [type(model).__name__]  # a config built in code has none
-        config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        hparams = ModelBase.load_hparams(Path(tmp), False)
-        try:
-            base = get_model_class(get_model_architecture(hparams, ModelType.TEXT))
-        except (NotImplementedError, ValueError, KeyError) as exc:
-            raise RecipeError(f"llama.cpp has no converter for {model.config.model_type!r} ({exc})") from None
         leaves = {name: torch.empty(shape, dtype=torch.float32, device="meta") for name, shape in shapes.items()}
         for name, leaf in leaves.items():
             tracer.add(["w", name], leaf)
@@ -133,16 +114,11 @@ def gguf_recipe(model: torch.nn.Module, tokenizer: Any, shapes: dict[str, tuple[
             # a tied output layer is the embedding: some llama.cpp architectures (OLMo 2) want it stored
             leaves["lm_head.weight"] = torch.empty(shapes[embed], dtype=torch.float32, device="meta")
             tracer.add(["w", embed], leaves["lm_head.weight"])
+        from transformers.core_model_loading import revert_weight_conversion
+
         with tracer:
             files = revert_weight_conversion(model, leaves)  # checkpoint names, as the converter reads them
-
-        class Traced(base):  # the converter reading our meta tensors instead of a model folder's files
-            model_arch = base.model_arch
-
-            def index_tensors(self, remote_hf_model_id: str | None = None) -> dict:
-                return {name: (lambda t=t: t) for name, t in files.items()}
-
-        converter = Traced(Path(tmp), gguf.LlamaFileType.MOSTLY_F16, Path(tmp) / "unused.gguf", model_name="policy")
+        converter = _converter(model, tokenizer, Path(tmp), files)
         tensors: list[list] = []
         with torch.no_grad():
             for name, array in converter.generate_extra_tensors():  # values from hyperparameters
@@ -156,12 +132,67 @@ def gguf_recipe(model: torch.nn.Module, tokenizer: Any, shapes: dict[str, tuple[
                             raise RecipeError(f"the converter's {gguf_name} is not a layout of the weights")
                         tensors.append([gguf_name, tracer.node_of[id(out)]])
         converter.set_gguf_parameters()
-    kv = [
-        [key, _plain(v.value), int(v.type), None if v.sub_type is None else int(v.sub_type)]
-        for part in converter.gguf_writer.kv_data for key, v in part.items()
-        if not key.startswith(("tokenizer.", "general.name"))
-    ]  # fmt: skip
+    kv = _metadata(converter, lambda key: not key.startswith(("tokenizer.", "general.name")))
+    import gguf
+
     return {"arch": gguf.MODEL_ARCH_NAMES[converter.model_arch], "kv": kv, "nodes": tracer.nodes, "tensors": tensors}
+
+
+def tokenizer_metadata(model: torch.nn.Module, tokenizer: Any) -> list[list]:
+    """The tokenizer as llama.cpp's converter writes it (the tokenizer.* keys: vocabulary kind, tokens,
+    scores or merges, its pre-tokenizer's name, special ids, chat template), in gguf_recipe's kv form: what
+    an exported GGUF needs for llama.cpp to tokenize text as the model's own tokenizer does. RecipeError
+    where the converter does not know the tokenizer (e.g. a pre-tokenizer missing from its table)."""
+    with tempfile.TemporaryDirectory(prefix="echo-rl-vocab-") as tmp:
+        converter = _converter(model, tokenizer, Path(tmp), {})
+        try:
+            converter.set_vocab()
+        except Exception as exc:  # noqa: BLE001 - the converter's NotImplementedError, KeyError, ...
+            raise RecipeError(f"llama.cpp's converter does not know this tokenizer ({str(exc)[:200]})") from None
+    return _metadata(converter, lambda key: key.startswith("tokenizer."))
+
+
+def _converter(model: torch.nn.Module, tokenizer: Any, folder: Path, files: dict[str, torch.Tensor]) -> Any:
+    """llama.cpp's converter for `model`'s architecture on `folder` (its config and tokenizer are saved there),
+    reading the tensors `files` (checkpoint names) instead of a folder's safetensors."""
+    if not (CONVERTER / "conversion").is_dir():
+        raise RecipeError(f"llama.cpp's converter is not unpacked in {CONVERTER}: run ./scripts/setup.sh")
+    if str(CONVERTER) not in sys.path:
+        sys.path.insert(0, str(CONVERTER))
+    os.environ.setdefault("NO_LOCAL_GGUF", "1")  # the installed gguf is the converter's (scripts/setup.sh)
+    import gguf
+    from conversion import ModelBase, ModelType, get_model_architecture, get_model_class
+
+    for name in ("hf-to-gguf", "gguf.gguf_writer"):  # the converter's own chatter ("Duplicated key name")
+        logging.getLogger(name).setLevel(logging.ERROR)
+    config = copy.deepcopy(model.config)
+    config.architectures = config.architectures or [type(model).__name__]  # a config built in code has none
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    spm = Path(getattr(tokenizer, "vocab_file", None) or "")  # a SentencePiece model the folder shipped
+    if spm.suffix == ".model" and spm.is_file():  # its scores: llama.cpp then splits text as sentencepiece does
+        shutil.copy(spm, folder / "tokenizer.model")
+    hparams = ModelBase.load_hparams(folder, False)
+    try:
+        base = get_model_class(get_model_architecture(hparams, ModelType.TEXT))
+    except (NotImplementedError, ValueError, KeyError) as exc:
+        raise RecipeError(f"llama.cpp has no converter for {model.config.model_type!r} ({exc})") from None
+
+    class Traced(base):  # the converter reading our tensors instead of a model folder's files
+        model_arch = base.model_arch
+
+        def index_tensors(self, remote_hf_model_id: str | None = None) -> dict:
+            return {name: (lambda t=t: t) for name, t in files.items()}
+
+    return Traced(folder, gguf.LlamaFileType.MOSTLY_F16, folder / "unused.gguf", model_name="policy")
+
+
+def _metadata(converter: Any, wanted: Any) -> list[list]:
+    """The converter's metadata whose keys `wanted` accepts, as [key, value, value type, item type]."""
+    return [
+        [key, _plain(v.value), int(v.type), None if v.sub_type is None else int(v.sub_type)]
+        for part in converter.gguf_writer.kv_data for key, v in part.items() if wanted(key)
+    ]  # fmt: skip
 
 
 def _plain(value: Any) -> Any:

@@ -7,6 +7,7 @@ Gemma 3, Phi-3, OLMo 2) in float32 with a byte-level BPE tokenizer that has a ch
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -24,7 +25,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from envs.chat import ChatFormat
+from envs.chat import ChatFormat, think_ids, without_thinking
 from learner.config import ModelConfig
 from learner.train.lora import add_lora
 from p2p.messages import ModelSpec, is_adapter
@@ -70,6 +71,17 @@ class Policy:
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def response(self, tokens: list[int]) -> str:
+        """The text a reward scores: the completion's answer, without a reasoning model's thinking
+        (envs.chat.without_thinking), special tokens removed."""
+        return self.decode(without_thinking(tokens, self.think))
+
+    @functools.cached_property
+    def think(self) -> tuple[int, int] | None:
+        """(<think>, </think>) ids where the vocabulary has them as single tokens (Qwen3), else None."""
+        vocab = self.tokenizer.get_vocab()
+        return think_ids(vocab.get)
 
 
 def load_run_policy(cfg: ModelConfig, seed: int) -> Policy:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,8 +255,8 @@ class LlamaCppEngine:
             self.model = None
 
     def __del__(self) -> None:
-        # a constructor that raised has nothing to free; at interpreter exit llama_cpp may be gone already
-        if hasattr(self, "ctx") and llama_cpp is not None:
+        # a constructor that raised has nothing to free; at interpreter exit llama_cpp may be torn down already
+        if hasattr(self, "ctx") and not sys.is_finalizing():
             self.close()
 
     def _free_context(self) -> None:
