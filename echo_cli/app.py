@@ -23,7 +23,7 @@ from worker.config import WorkerRootConfig
 class CommandsInOrder(TyperGroup):
     """`echo-rl --help` lists commands in the order a user meets them, not alphabetically."""
 
-    ORDER = ("learner", "worker", "status", "report", "eval", "export", "plan", "simulate", "bench", "secret")
+    ORDER = ("learner", "worker", "status", "report", "eval", "export", "plan", "fit", "simulate", "bench", "secret")
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         names = super().list_commands(ctx)
@@ -180,6 +180,30 @@ def plan_command(
         show_plan(workers, figures, json_out)
     except ConfigError as exc:
         raise fail(str(exc)) from None
+
+
+@app.command("fit")
+@with_config_flags(LearnerConfig)
+def fit_command(
+    overrides: dict,
+    config: Path | None = typer.Option(None, "--config", help="The learner's TOML file, as for learner start."),
+    colocated: bool = typer.Option(False, "--colocated", help="Size a co-located run (sampler, no verifier)."),
+    memory_gib: float | None = typer.Option(
+        None, "--memory-gib", help="Check against this much memory (default: the --device's, or this RAM)."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print the figures as one JSON object."),
+) -> None:
+    """Will a run fit? The learner's memory per component and a worker's model file per quantisation, from
+    the model's config alone (no weights are loaded). Exits 1 when the learner does not fit."""
+    setup_logging(False)
+    from echo_cli.fit import show_fit
+
+    try:
+        fits = show_fit(load_config(LearnerConfig, config, overrides), colocated, memory_gib, json_out)
+    except user_errors() as exc:
+        raise fail(str(exc)) from None
+    if not fits:
+        raise typer.Exit(1)
 
 
 @app.command("simulate")

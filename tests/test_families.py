@@ -403,3 +403,28 @@ def test_a_reasoning_model_is_rewarded_for_its_answer_not_its_thinking(tmp_path)
     assert task.reward(policy.response(answered), 19) == 1.0 and task.reward(policy.response(cut), 19) == 0.0
     assert without_thinking(answered, None) == answered  # a model without thinking tokens: all of its turn
     assert load_policy(str(save_family("qwen3", tmp_path / "tiny")), "unused").think is None
+
+
+def test_fit_sizes_a_family_from_its_config(tmp_path):
+    """`echo-rl fit` on a Qwen3-MoE folder: the parameter count is the model's own, LoRA shrinks what AdamW
+    holds, the F16 worker file holds the tensor data the worker writes, and a device too small exits 1 saying how to
+    use less. (The activation formula against measured peaks: scripts/bench_fit.py, docs/benchmarks.md.)"""
+    from gguf import GGUFReader
+
+    from learner.train.fit import model_shape
+
+    folder = save_family("qwen3_moe", tmp_path / "moe")
+    policy = load_policy(str(folder), "unused")
+    assert model_shape(policy.model.config).parameters == sum(p.numel() for p in policy.model.parameters())
+    res = run_cli("fit", "--model", str(folder), "--json")
+    assert res.returncode == 0, res.stderr[-2000:]
+    full = json.loads(res.stdout)
+    lora = json.loads(run_cli("fit", "--model", str(folder), "--lora-rank", "4", "--json").stdout)
+    assert lora["learner"]["optimizer"] < full["learner"]["optimizer"] / 10
+    assert lora["learner"]["weights"] == full["learner"]["weights"] and full["device"]["fits"]
+    written = LlamaCppEngine(tmp_path / "engine", threads=1)._write(model_spec(policy), wire_tensors(policy.model))
+    assert sum(int(t.n_bytes) for t in GGUFReader(written).tensors) == full["worker_file"]["F16"]  # tensor data
+    res = run_cli("fit", "--model", str(folder), "--memory-gib", "0.001")
+    assert res.returncode == 1 and "does not fit" in res.stdout and "--lora-rank" in res.stdout
+    res = run_cli("fit", "--model", str(tmp_path / "missing"))
+    assert res.returncode != 0 and "missing" in res.stderr and "Traceback" not in res.stderr

@@ -41,6 +41,10 @@ LAYOUT_OPS = {
     "__sub__", "mul", "__mul__", "__rmul__", "__truediv__", "__neg__", "neg", "chunk", "split", "unbind",
     "squeeze", "unsqueeze", "flatten", "narrow",
 }  # fmt: skip
+# llama.cpp architectures whose loader wants output.weight even where the model ties it to the embedding
+# (measured: a tied OLMo 2 does not load without it; Qwen3, Gemma 3 and the others fall back to token_embd, so
+# storing it again would only grow their files by vocabulary x hidden)
+STORES_TIED_OUTPUT = {"OLMO2"}
 IGNORED = {"size", "dim", "numel", "__len__", "shape", "dtype", "device", "is_floating_point", "ndim", "element_size"}
 
 
@@ -109,16 +113,17 @@ def gguf_recipe(model: torch.nn.Module, tokenizer: Any, shapes: dict[str, tuple[
         leaves = {name: torch.empty(shape, dtype=torch.float32, device="meta") for name, shape in shapes.items()}
         for name, leaf in leaves.items():
             tracer.add(["w", name], leaf)
+        base = _converter_class(model, tokenizer, Path(tmp))
         embed = next((n for n in shapes if n.endswith("embed_tokens.weight")), None)
-        if "lm_head.weight" not in shapes and embed and getattr(model.config, "tie_word_embeddings", False):
-            # a tied output layer is the embedding: some llama.cpp architectures (OLMo 2) want it stored
+        tied = "lm_head.weight" not in shapes and embed and getattr(model.config, "tie_word_embeddings", False)
+        if tied and base.model_arch.name in STORES_TIED_OUTPUT:  # the embedding, stored again as the output layer
             leaves["lm_head.weight"] = torch.empty(shapes[embed], dtype=torch.float32, device="meta")
             tracer.add(["w", embed], leaves["lm_head.weight"])
         from transformers.core_model_loading import revert_weight_conversion
 
         with tracer:
             files = revert_weight_conversion(model, leaves)  # checkpoint names, as the converter reads them
-        converter = _converter(model, tokenizer, Path(tmp), files)
+        converter = _instantiate(base, Path(tmp), files)
         tensors: list[list] = []
         with torch.no_grad():
             for name, array in converter.generate_extra_tensors():  # values from hyperparameters
@@ -144,7 +149,7 @@ def tokenizer_metadata(model: torch.nn.Module, tokenizer: Any) -> list[list]:
     an exported GGUF needs for llama.cpp to tokenize text as the model's own tokenizer does. RecipeError
     where the converter does not know the tokenizer (e.g. a pre-tokenizer missing from its table)."""
     with tempfile.TemporaryDirectory(prefix="echo-rl-vocab-") as tmp:
-        converter = _converter(model, tokenizer, Path(tmp), {})
+        converter = _instantiate(_converter_class(model, tokenizer, Path(tmp)), Path(tmp), {})
         try:
             converter.set_vocab()
         except Exception as exc:  # noqa: BLE001 - the converter's NotImplementedError, KeyError, ...
@@ -152,15 +157,13 @@ def tokenizer_metadata(model: torch.nn.Module, tokenizer: Any) -> list[list]:
     return _metadata(converter, lambda key: key.startswith("tokenizer."))
 
 
-def _converter(model: torch.nn.Module, tokenizer: Any, folder: Path, files: dict[str, torch.Tensor]) -> Any:
-    """llama.cpp's converter for `model`'s architecture on `folder` (its config and tokenizer are saved there),
-    reading the tensors `files` (checkpoint names) instead of a folder's safetensors."""
+def _converter_class(model: torch.nn.Module, tokenizer: Any, folder: Path) -> Any:
+    """llama.cpp's converter class for `model`'s architecture; its config and tokenizer are saved in `folder`."""
     if not (CONVERTER / "conversion").is_dir():
         raise RecipeError(f"llama.cpp's converter is not unpacked in {CONVERTER}: run ./scripts/setup.sh")
     if str(CONVERTER) not in sys.path:
         sys.path.insert(0, str(CONVERTER))
     os.environ.setdefault("NO_LOCAL_GGUF", "1")  # the installed gguf is the converter's (scripts/setup.sh)
-    import gguf
     from conversion import ModelBase, ModelType, get_model_architecture, get_model_class
 
     for name in ("hf-to-gguf", "gguf.gguf_writer"):  # the converter's own chatter ("Duplicated key name")
@@ -174,11 +177,17 @@ def _converter(model: torch.nn.Module, tokenizer: Any, folder: Path, files: dict
         shutil.copy(spm, folder / "tokenizer.model")
     hparams = ModelBase.load_hparams(folder, False)
     try:
-        base = get_model_class(get_model_architecture(hparams, ModelType.TEXT))
+        return get_model_class(get_model_architecture(hparams, ModelType.TEXT))
     except (NotImplementedError, ValueError, KeyError) as exc:
         raise RecipeError(f"llama.cpp has no converter for {model.config.model_type!r} ({exc})") from None
 
-    class Traced(base):  # the converter reading our tensors instead of a model folder's files
+
+def _instantiate(base: Any, folder: Path, files: dict[str, torch.Tensor]) -> Any:
+    """The converter `base` on `folder`, reading the tensors `files` (checkpoint names) instead of the folder's
+    safetensors."""
+    import gguf
+
+    class Traced(base):
         model_arch = base.model_arch
 
         def index_tensors(self, remote_hf_model_id: str | None = None) -> dict:

@@ -17,10 +17,12 @@ from pathlib import Path
 import torch
 import transformers
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
 )
@@ -114,6 +116,18 @@ def load_policy(name: str, cache_dir: str | Path, seed: int = 0) -> Policy:
         tokenizer = AutoTokenizer.from_pretrained(path)
         return _finish(Policy(model, tokenizer, label.name))
     raise ModelError(f"model path {name!r} is neither a .gguf file nor a folder with config.json")
+
+
+def load_model_config(name: str, cache_dir: str | Path) -> PretrainedConfig:
+    """The config of what load_policy(`name`) would load, without its weights where a folder has a config.json
+    (a local folder or the hub cache); the bundled, tiny and GGUF models are small enough to load."""
+    path = Path(name).expanduser()
+    if not path.exists() and _looks_like_hub_id(name):
+        path = _from_hub_cache(name)
+    if path.is_dir() and (path / "config.json").exists():
+        _check_causal_lm(json.loads((path / "config.json").read_text()).get("model_type"), name)
+        return AutoConfig.from_pretrained(path)
+    return load_policy(name, cache_dir).model.config
 
 
 def _looks_like_hub_id(name: str) -> bool:
