@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -75,12 +76,28 @@ def learner_start(
         else:
             from learner.swarm_loop import train_distributed
 
-            steps = train_distributed(cfg, resume=resume)
+            steps = train_distributed(cfg, resume=resume, probe=llamacpp_probe(cfg))
         show_learner(steps, cfg.run.steps, console)
     except user_errors() as exc:
         raise fail(str(exc)) from None
     if started_by_torchrun():  # the run is complete: checkpoint written, process group left
         exit_rank()
+
+
+def llamacpp_probe(cfg: LearnerConfig) -> object:
+    """What builds a llama.cpp engine on the learner's machine, with which the learner checks once that
+    llama.cpp samples the model as it scores it (learner.swarm_side.refuse_departing_llamacpp); None where
+    llama-cpp-python is not installed (a learner-only install): the check is then skipped, said in the log."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        logging.getLogger("echo_cli").info("llama-cpp-python is not installed here: llama.cpp's agreement with "
+                                           "the learner is not checked before workers join")  # fmt: skip
+        return None
+    from worker.engines import make_engine
+
+    work_dir = Path(cfg.run.run_dir) / "llamacpp-check"
+    return lambda: make_engine("llamacpp", work_dir, cfg.sampler.threads, 8, cfg.sampler.gpu_layers)
 
 
 @worker_app.command("join")

@@ -14,11 +14,12 @@ from envs.episode import play_episodes
 from learner.config import LearnerConfig
 from learner.evaluation import Evaluator, eval_task
 from learner.orchestrate.rollouts import Rollout, has_signal, score_groups
-from learner.run import Phases, batch_metrics, open_run
+from learner.run import Phases, batch_metrics, open_run, sampler_departure
 from learner.tasks import Task, step_seed
 from learner.tasks.environment import episode_rules
 from learner.train.models import model_spec
 from learner.train.wire_weights import send_to_sampler
+from p2p.config import ConfigError
 from p2p.messages import Engine, GenerationRequest, SamplingParams
 
 
@@ -36,6 +37,8 @@ def train_colocated(
         held_out = eval_task(cfg, task)
     spec = model_spec(policy)
     send_to_sampler(engine, spec, policy.model)
+    if reason := sampler_departure(cfg, policy, engine):
+        raise ConfigError(f"{reason}: use --engine transformers")
     evaluator = Evaluator.for_run(cfg, policy, held_out) if held_out else None
     initial = {"version": 0, **evaluator.evaluate(engine)} if evaluator and run.start_step == 0 else None  # baseline
     t_run = time.perf_counter() - run.wall_offset

@@ -245,6 +245,9 @@ class SwarmConfig:
     """How far a token's draw may miss its inverse-CDF interval (probability mass) before the worker is flagged."""
     verify_off_draw: float = 0.05
     """Share of a group's tokens that may lie beside their draw's token (float noise) before the worker is flagged."""
+    check_llamacpp: bool = True
+    """Before serving a family llama.cpp runs through its converter, sample a few tokens with llama.cpp here and
+    refuse llama.cpp workers if it departs from the learner (holds an F16 copy of the model once)."""
     read_timeout: float = 30.0
     """Seconds a peer has to deliver a whole request (a slow peer cannot hold the learner's streams open)."""
     upload_bps: float = 0.0

@@ -261,3 +261,31 @@ def episode_metrics(rollouts: list[Rollout]) -> dict:
         "model_tokens_per_episode": float(np.mean([r.model_tokens for r in episodes])),
         "failed_episodes": sum(r.failed for r in episodes),
     }
+
+
+def sampler_departure(cfg: LearnerConfig, policy: Policy, engine: Engine) -> str | None:
+    """Why `engine` (llama.cpp's, loaded with the policy) cannot sample for this run, or None: the mean
+    |log mu - log pi| of a few tokens it samples, against the learner's own logprobs, over half the verifier's
+    tolerance (swarm.verify_tolerance). llama.cpp runs a family as released models configure it (Qwen3-MoE's normalised
+    top-k weights, Gemma 3's query scale and one global layer in six); a config that departs from that would
+    get every llama.cpp worker flagged: it is named here instead, once, before any rollout."""
+    from learner.orchestrate.rollouts import Rollout
+    from learner.train.trainer import completion_logprobs
+    from p2p.messages import GenerationRequest, SamplingParams
+
+    prompt = policy.render_prompt("What is 12 + 7? Think, then answer.")
+    params = SamplingParams(1.0, 1.0, 16, 0)  # T = 1: the distribution itself, every token counts
+    group = engine.generate([GenerationRequest(prompt, 4, 0)], params)[0]
+    rollouts = [Rollout(prompt, c.tokens, c.logprobs, 0.0) for c in group]
+    with torch.no_grad():
+        learner = completion_logprobs(policy.model, rollouts, temperature=1.0).double()
+    sampler = torch.tensor([lp for c in group for lp in c.logprobs], dtype=torch.float64)
+    d = float((sampler - learner).abs().mean())
+    limit = cfg.swarm.verify_tolerance / 2
+    if d <= limit:
+        return None
+    return (
+        f"llama.cpp computes this {policy.model.config.model_type} config differently from the learner "
+        f"(|log mu - log pi| = {d:.3g} nats a token, over {limit:g}; it runs each family as its released models "
+        "configure it)"
+    )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from learner.config import LearnerConfig
@@ -26,14 +26,18 @@ from learner.run import Phases, Run, batch_metrics, open_run
 from learner.swarm_side import start_swarm
 from learner.train.data_parallel import full_state, init_world, leave
 from p2p.config import ConfigError
+from p2p.messages import Engine
 
 log = logging.getLogger(__name__)
 
 
-def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict]:
+def train_distributed(
+    cfg: LearnerConfig, resume: bool = False, probe: Callable[[], Engine] | None = None
+) -> Iterator[dict]:
     """Run (or resume) a swarm GRPO run; yields each step's metrics after it is written.
 
-    Under torchrun, rank 0 runs this loop and the other ranks `follow` it (learner.train.data_parallel)."""
+    Under torchrun, rank 0 runs this loop and the other ranks `follow` it (learner.train.data_parallel).
+    `probe` builds a llama.cpp engine on this machine (learner.swarm_side.refuse_departing_llamacpp)."""
     every = cfg.eval.eval_every
     if every and every % cfg.swarm.publish_every:
         raise ConfigError(
@@ -49,7 +53,7 @@ def train_distributed(cfg: LearnerConfig, resume: bool = False) -> Iterator[dict
         leave(world)
         return
     trainer, grpo = run.trainer, cfg.grpo
-    side = start_swarm(cfg, run, resume)
+    side = start_swarm(cfg, run, resume, probe)
     try:
         service, journal, resumed = side.service, side.journal, side.resumed
         verifier, seeder, publisher = side.verifier, side.seeder, side.publisher

@@ -43,9 +43,9 @@ GEMMA3_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]  # released Gemma
 FAMILIES = ["llama", "llama3", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3", "phi3", "olmo2"]
 
 
-def save_family(name: str, folder: Path, seed: int = 0, tokenizer: str = "tiny") -> Path:
+def save_family(name: str, folder: Path, seed: int = 0, tokenizer: str = "tiny", **config: object) -> Path:
     """A random `name` model (see FAMILIES) with the tiny tokenizer or one of REAL_TOKENIZERS, saved to
-    `folder` as an HF folder."""
+    `folder` as an HF folder; `config`: fields set on its config."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -53,9 +53,11 @@ def save_family(name: str, folder: Path, seed: int = 0, tokenizer: str = "tiny")
 
     tok = tiny_tokenizer() if tokenizer == "tiny" else REAL_TOKENIZERS[tokenizer]()
     vocab = max(len(tok), REAL_VOCAB.get(tokenizer, 0))
-    config = family_configs(vocab, tok.bos_token_id or tok.eos_token_id, tok.eos_token_id, tok.pad_token_id)
+    configs = family_configs(vocab, tok.bos_token_id or tok.eos_token_id, tok.eos_token_id, tok.pad_token_id)
+    for key, value in config.items():
+        setattr(configs[name], key, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config[name]).float()
+    model = AutoModelForCausalLM.from_config(configs[name]).float()
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     if tokenizer == "mistral":  # as released: the SentencePiece model beside tokenizer.json

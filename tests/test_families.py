@@ -428,3 +428,24 @@ def test_fit_sizes_a_family_from_its_config(tmp_path):
     assert res.returncode == 1 and "does not fit" in res.stdout and "--lora-rank" in res.stdout
     res = run_cli("fit", "--model", str(tmp_path / "missing"))
     assert res.returncode != 0 and "missing" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_config_llamacpp_would_run_differently_is_refused_to_llamacpp_only(swarm):
+    """A Gemma 3 whose query scale is not head_dim's (llama.cpp assumes the released models' for their size):
+    a co-located llama.cpp run stops in one line naming the transformers engine; in a swarm the learner finds
+    the departure once before serving (mean |log mu - log pi| 0.09 nats a token, which would flag every
+    llama.cpp worker), a llama.cpp worker refuses the model at join in one line, and a transformers worker
+    trains it unflagged. (A Qwen3-MoE without normalised top-k weights departs by 0.004: under the verifier's
+    tolerance, so it is served.)"""
+    folder = save_family("gemma3", swarm.tmp / "gemma3", query_pre_attn_scalar=256)
+    common = ["--model", str(folder), "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8"]
+    res = run_cli("learner", "start", "--colocated", *common, "--steps", "1", "--run-dir", str(swarm.tmp / "co"))
+    assert res.returncode != 0 and "--engine transformers" in res.stderr and "Traceback" not in res.stderr
+    learner = swarm.learner("--model", str(folder), "--steps", "3", "--publish-every", "1", "--verify-first", "1000")
+    llama = swarm.worker("llama", "--max-groups", "1")
+    assert llama.wait(120) != 0
+    assert "--engine transformers" in swarm.log("llama") and "Traceback" not in swarm.log("llama")
+    swarm.worker("hf", "--engine", "transformers", "--max-groups", "1")
+    assert swarm.wait(learner, 300) == 0, swarm.log("learner")[-3000:]
+    assert "llama.cpp workers are refused" in swarm.log("learner")
+    assert swarm.metrics()[-1]["groups_dropped_flagged"] == 0

@@ -36,7 +36,7 @@ def unsupported_by_writer(spec: ModelSpec) -> str | None:
     recipe = spec.recipe()
     if legacy is None or "arch" in recipe:
         return None
-    return f"{legacy}; {recipe.get('unsupported', 'the learner sent no GGUF recipe')}"
+    return str(recipe.get("unsupported") or f"{legacy}; the learner sent no GGUF recipe")
 
 
 def unsupported_by_llama_layout(spec: ModelSpec) -> str | None:

@@ -236,7 +236,7 @@ class LlamaCppEngine:
     def unsupported(self, spec: ModelSpec) -> str | None:
         """Why this engine cannot run `spec`'s model: one worker.gguf_writer cannot write."""
         if reason := unsupported_by_writer(spec):
-            return f"the llama.cpp engine does not run this model yet ({reason}): use --engine transformers"
+            return f"the llama.cpp engine does not run this model ({reason}): use --engine transformers"
         return None
 
     def backend(self) -> dict[str, str | int]:
