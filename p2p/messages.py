@@ -15,10 +15,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+import msgpack
 import numpy as np
+import zstandard
+
+from p2p.wire import FrameError, bounded_decompress
 
 MAX_HF_CONFIG = 1 << 16  # bytes of a model's config.json on the wire (real ones are 1-10 KB)
 MAX_GGUF_RECIPE = 4 << 20  # bytes of a GGUF recipe (~60 B a node: 30 KB for a dense 36-layer model)
+# bytes of a spec's vocabulary (tokens, token types, merges) decompressed: Qwen3's 151936 tokens and 294k merges
+# are 5.2 MB of msgpack (2.1 MB zstd), which a 262k vocabulary (Gemma 3) would take past a frame's 8 MB
+MAX_VOCAB = 64 << 20
+VOCAB_FIELDS = ("tokens", "token_types", "merges")
 
 
 @dataclass(frozen=True)
@@ -396,7 +404,9 @@ def _map(msg: object, key: str) -> dict:
     return msg
 
 
-PROTOCOL = 2  # the worker protocol's version: 2 added model families (ModelSpec.hf_config); 1 had no number
+# the worker protocol's version: 3 sends a spec's vocabulary zstd-compressed, 2 added model families
+# (ModelSpec.hf_config), 1 had no number
+PROTOCOL = 3
 UPGRADE = "pip install -U echo-rl, or git pull && ./scripts/setup.sh in a checkout"
 
 
@@ -437,7 +447,10 @@ class SpecReply:
     protocol: int = PROTOCOL  # the learner's (1: a learner before versioning, whose spec is a llama's)
 
     def to_wire(self) -> dict:
-        out = {"run_id": self.run_id, "spec": self.spec.to_dict(), "group_size": self.group_size}
+        spec = self.spec.to_dict()
+        vocab = msgpack.packb([spec.pop(k) for k in VOCAB_FIELDS])
+        spec["vocab"] = zstandard.ZstdCompressor(level=3).compress(vocab)  # see MAX_VOCAB
+        out = {"run_id": self.run_id, "spec": spec, "group_size": self.group_size}
         return out | {"protocol": self.protocol} | ({"env": self.env} if self.env is not None else {})
 
     @classmethod
@@ -445,8 +458,11 @@ class SpecReply:
         run_id = msg.get("run_id")
         if not isinstance(run_id, str) or not 0 < len(run_id) <= 64:
             raise MessageError("'run_id' must be a string of 1 to 64 characters")
+        spec = dict(_map(msg.get("spec"), "spec"))
+        if "vocab" in spec:  # protocol 3 (before: the three lists as they are)
+            spec.update(_vocab(spec.pop("vocab")))
         try:
-            spec = ModelSpec.from_dict(_map(msg.get("spec"), "spec"))
+            spec = ModelSpec.from_dict(spec)
         except (KeyError, TypeError) as exc:
             raise MessageError(f"'spec' is not a model spec ({exc})") from None
         env = msg.get("env")
@@ -456,6 +472,24 @@ class SpecReply:
             _map(env.get("chat"), "env.chat")
         protocol = _int(msg, "protocol", 1, 1 << 16) if "protocol" in msg else 1
         return cls(run_id, spec, _int(msg, "group_size", 1, 1 << 16), env, protocol)
+
+
+def _vocab(packed: object) -> dict[str, list]:
+    """A spec's compressed vocabulary: tokens and merges (strings), token types (ints), within MAX_VOCAB."""
+    if not isinstance(packed, bytes):
+        raise MessageError("'spec.vocab' must be zstd-compressed bytes")
+    try:
+        raw = bounded_decompress(packed, MAX_VOCAB)
+        lists = msgpack.unpackb(raw, max_array_len=4 << 20, max_map_len=0, max_bin_len=0, max_ext_len=0,
+                                max_str_len=1 << 16)  # fmt: skip
+    except (FrameError, ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise MessageError(f"'spec.vocab' is not a vocabulary ({exc})") from None
+    kinds = (str, int, str)
+    if not (isinstance(lists, list) and len(lists) == 3 and all(
+            isinstance(items, list) and all(type(x) is kind for x in items)
+            for items, kind in zip(lists, kinds, strict=True))):  # fmt: skip
+        raise MessageError("'spec.vocab' must hold lists of tokens, token types and merges")
+    return dict(zip(VOCAB_FIELDS, lists, strict=True))
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,11 @@ import dataclasses
 import functools
 import json
 
+import msgpack
 import numpy as np
 import pytest
 import torch
+import zstandard
 
 from learner.config import GRPOConfig
 from learner.orchestrate.rollouts import Rollout
@@ -243,10 +245,27 @@ def test_the_spec_protocol_is_versioned(tiny):
     for bad in ([2], "2", -1, 1 << 40):
         with pytest.raises(MessageError):
             SpecRequest.from_wire({"protocol": bad})
-    old = SpecReply("r", model_spec(tiny), 2).to_wire()
-    del old["protocol"], old["spec"]["hf_config"]
+    old = {"run_id": "r", "spec": model_spec(tiny).to_dict(), "group_size": 2}  # its vocabulary as lists
+    del old["spec"]["hf_config"], old["spec"]["gguf_recipe"]
     reply = SpecReply.from_wire(old)
-    assert reply.protocol == 1 and reply.spec.model_type == "llama"
+    assert reply.protocol == 1 and reply.spec.model_type == "llama" and reply.spec.tokens == model_spec(tiny).tokens
+
+
+@pytest.mark.parametrize(
+    "vocab",
+    ["text", b"not zstd", zstandard.compress(b"\0" * (65 << 20)), zstandard.compress(msgpack.packb([1, 2])),
+     zstandard.compress(msgpack.packb([["a"], [True], ["a b"]])), zstandard.compress(msgpack.packb({"a": 1})),
+     zstandard.compress(b"\x91")],
+)  # fmt: skip
+def test_a_spec_with_a_broken_vocabulary_is_a_bad_message(tiny, vocab):
+    """The compressed vocabulary of a spec (protocol 3): not bytes, not zstd, a bomb past MAX_VOCAB, not
+    three lists of the right types, truncated msgpack: a malformed reply, never an exception out of join."""
+    from p2p.messages import MessageError
+
+    wire = SpecReply("r", model_spec(tiny), 2).to_wire()
+    wire["spec"]["vocab"] = vocab
+    with pytest.raises(MessageError, match="vocab"):
+        SpecReply.from_wire(wire)
 
 
 def test_models_load_from_the_hub_cache_in_shards_and_half_precision(tmp_path, monkeypatch):

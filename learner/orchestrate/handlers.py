@@ -9,6 +9,7 @@ learner.orchestrate.intake's.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -196,6 +197,11 @@ class LearnerService:
         if reason := SpecRequest.from_wire(msg).mismatch():  # an older (or newer) echo-rl: no penalty
             raise BadRequest(reason)
         self._worker(peer)
+        return self._spec_reply
+
+    @functools.cached_property
+    def _spec_reply(self) -> dict:
+        """The run's SPEC reply, built once: its vocabulary is compressed (megabytes of tokens and merges)."""
         return SpecReply(self.run_id, self.spec, self.cfg.grpo.group_size, self.env_wire).to_wire()
 
     def _on_heartbeat(self, peer: str, msg: dict) -> dict:

@@ -46,9 +46,9 @@ from p2p.messages import (
     Completion,
     GenerationRequest,
     GroupSubmission,
-    ModelSpec,
     RolloutSubmission,
     SamplingParams,
+    SpecReply,
     SpecRequest,
 )
 from p2p.versions import float_tensors
@@ -89,7 +89,7 @@ class Adversary:
         self.tries = tries
         self.hosts: list[Host] = []
         self.observer = self.fresh()
-        self.spec = ModelSpec.from_dict(self.observer.request(self.learner, SPEC, SpecRequest().to_wire())["spec"])
+        self.spec = SpecReply.from_wire(self.observer.request(self.learner, SPEC, SpecRequest().to_wire())).spec
         self.engine: TransformersEngine | None = None
         self.version = -1
 
