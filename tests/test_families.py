@@ -403,6 +403,21 @@ def test_a_family_with_its_released_tokenizer_trains_samples_and_exports(name, t
     assert logits_agree(run, gguf_logits(gguf)) < 5e-3
 
 
+def test_a_swarm_runs_a_model_with_a_released_vocabulary(swarm):
+    """A tiny Qwen3 with Qwen's released tokenizer (151936 rows, 294k merges: a 2.1 MB SPEC reply, protocol 3)
+    joins a transformers and a llama.cpp worker, whose groups are all verified and none flagged."""
+    folder = save_family("qwen3", swarm.tmp / "qwen3", tokenizer="qwen3")
+    learner = swarm.learner("--model", str(folder), "--steps", "2", "--publish-every", "1", "--verify-first", "1000",
+                            "--min-workers", "2")  # fmt: skip
+    swarm.worker("hf", "--engine", "transformers", "--max-groups", "1")
+    swarm.worker("llama", "--max-groups", "1")
+    assert swarm.wait(learner, 300) == 0, swarm.log("learner")[-3000:]
+    metrics = swarm.metrics()
+    assert metrics[-1]["groups_dropped_flagged"] == 0 and "flagged" not in swarm.log("learner")
+    accepted = {w: r["groups_accepted"] for w, r in metrics[-1]["workers"].items()}
+    assert len(accepted) == 2 and min(accepted.values()) > 0, accepted
+
+
 def test_a_reasoning_model_is_rewarded_for_its_answer_not_its_thinking(tmp_path):
     """Qwen3 thinks between <think> and </think> (single tokens of its vocabulary, plain text to decode): a
     reward and an environment read what follows the last </think>, and nothing of a completion cut off while

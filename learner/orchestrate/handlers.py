@@ -9,7 +9,6 @@ learner.orchestrate.intake's.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import threading
@@ -94,6 +93,7 @@ class LearnerService:
         self.prompts = PromptBook(task, policy, cfg.run.seed)
         episodes = episode_rules(task)  # a multi-turn environment's: workers get its rules with the spec
         self.env_wire = None if episodes is None else {"spec": episodes.spec.to_wire(), "chat": episodes.chat.to_wire()}
+        self.spec_reply = SpecReply(run_id, spec, cfg.grpo.group_size, self.env_wire).to_wire()  # vocabulary zstd once
         device = model_device(policy.model)
         self.device = f"{describe_device(device)}, {cfg.model.precision}" + (
             ", gradient checkpointing" if cfg.model.grad_checkpointing else "")  # fmt: skip
@@ -197,12 +197,7 @@ class LearnerService:
         if reason := SpecRequest.from_wire(msg).mismatch():  # an older (or newer) echo-rl: no penalty
             raise BadRequest(reason)
         self._worker(peer)
-        return self._spec_reply
-
-    @functools.cached_property
-    def _spec_reply(self) -> dict:
-        """The run's SPEC reply, built once: its vocabulary is compressed (megabytes of tokens and merges)."""
-        return SpecReply(self.run_id, self.spec, self.cfg.grpo.group_size, self.env_wire).to_wire()
+        return self.spec_reply
 
     def _on_heartbeat(self, peer: str, msg: dict) -> dict:
         beat = Heartbeat.from_wire(msg)  # bounded types and ranges (MessageError: a penalty)
