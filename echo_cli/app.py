@@ -85,8 +85,9 @@ def learner_start(
 
 
 def llamacpp_probe(cfg: LearnerConfig) -> object:
-    """What builds a llama.cpp engine on the learner's machine, with which the learner checks once that
-    llama.cpp samples the model as it scores it (learner.swarm_side.refuse_departing_llamacpp); None where
+    """What builds a llama.cpp engine on the learner's machine for a spec whose family llama.cpp runs through its
+    converter's recipe (None for one echo-rl's own llama layout writes), with which the learner checks once that
+    llama.cpp samples the model as it scores it (learner.swarm_side.refuse_departing_llamacpp). None where
     llama-cpp-python is not installed (a learner-only install): the check is then skipped, said in the log."""
     import importlib.util
 
@@ -95,9 +96,15 @@ def llamacpp_probe(cfg: LearnerConfig) -> object:
                                            "the learner is not checked before workers join")  # fmt: skip
         return None
     from worker.engines import make_engine
+    from worker.gguf_writer import unsupported_by_llama_layout
 
-    work_dir = Path(cfg.run.run_dir) / "llamacpp-check"
-    return lambda: make_engine("llamacpp", work_dir, cfg.sampler.threads, 8, cfg.sampler.gpu_layers)
+    def probe(spec: object) -> object:
+        if unsupported_by_llama_layout(spec) is None:
+            return None
+        return make_engine("llamacpp", Path(cfg.run.run_dir) / "llamacpp-check", cfg.sampler.threads, 8,
+                           cfg.sampler.gpu_layers)  # fmt: skip
+
+    return probe
 
 
 @worker_app.command("join")

@@ -40,10 +40,10 @@ from learner.train.devices import (
     training_state_gib,
 )
 from learner.train.models import Policy, chat_format, load_run_policy, model_spec
-from learner.train.trainer import GRPOTrainer, frozen_copy
+from learner.train.trainer import GRPOTrainer, completion_logprobs, frozen_copy
 from learner.train.wire_weights import send_to_sampler
 from p2p.config import ConfigError
-from p2p.messages import Engine
+from p2p.messages import Engine, GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -264,15 +264,11 @@ def episode_metrics(rollouts: list[Rollout]) -> dict:
 
 
 def sampler_departure(cfg: LearnerConfig, policy: Policy, engine: Engine) -> str | None:
-    """Why `engine` (llama.cpp's, loaded with the policy) cannot sample for this run, or None: the mean
-    |log mu - log pi| of a few tokens it samples, against the learner's own logprobs, over half the verifier's
-    tolerance (swarm.verify_tolerance). llama.cpp runs a family as released models configure it (Qwen3-MoE's normalised
+    """Why `engine` (loaded with the policy) cannot sample for this run, or None: the mean |log mu - log pi| of
+    a few tokens it samples, against the learner's own logprobs, over half the verifier's tolerance
+    (swarm.verify_tolerance). llama.cpp runs a family as released models configure it (Qwen3-MoE's normalised
     top-k weights, Gemma 3's query scale and one global layer in six); a config that departs from that would
     get every llama.cpp worker flagged: it is named here instead, once, before any rollout."""
-    from learner.orchestrate.rollouts import Rollout
-    from learner.train.trainer import completion_logprobs
-    from p2p.messages import GenerationRequest, SamplingParams
-
     prompt = policy.render_prompt("What is 12 + 7? Think, then answer.")
     params = SamplingParams(1.0, 1.0, 16, 0)  # T = 1: the distribution itself, every token counts
     group = engine.generate([GenerationRequest(prompt, 4, 0)], params)[0]
@@ -285,7 +281,7 @@ def sampler_departure(cfg: LearnerConfig, policy: Policy, engine: Engine) -> str
     if d <= limit:
         return None
     return (
-        f"llama.cpp computes this {policy.model.config.model_type} config differently from the learner "
-        f"(|log mu - log pi| = {d:.3g} nats a token, over {limit:g}; it runs each family as its released models "
-        "configure it)"
+        f"the sampler computes this {policy.model.config.model_type} config differently from the learner "
+        f"(|log mu - log pi| = {d:.3g} nats a token, over {limit:g}; llama.cpp runs each family as its released "
+        "models configure it)"
     )

@@ -26,18 +26,18 @@ from learner.run import Phases, Run, batch_metrics, open_run
 from learner.swarm_side import start_swarm
 from learner.train.data_parallel import full_state, init_world, leave
 from p2p.config import ConfigError
-from p2p.messages import Engine
+from p2p.messages import Engine, ModelSpec
 
 log = logging.getLogger(__name__)
 
 
 def train_distributed(
-    cfg: LearnerConfig, resume: bool = False, probe: Callable[[], Engine] | None = None
+    cfg: LearnerConfig, resume: bool = False, probe: Callable[[ModelSpec], Engine | None] | None = None
 ) -> Iterator[dict]:
     """Run (or resume) a swarm GRPO run; yields each step's metrics after it is written.
 
     Under torchrun, rank 0 runs this loop and the other ranks `follow` it (learner.train.data_parallel).
-    `probe` builds a llama.cpp engine on this machine (learner.swarm_side.refuse_departing_llamacpp)."""
+    `probe` builds a llama.cpp engine for a spec on this machine (learner.swarm_side.refuse_departing_llamacpp)."""
     every = cfg.eval.eval_every
     if every and every % cfg.swarm.publish_every:
         raise ConfigError(

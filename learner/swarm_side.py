@@ -28,13 +28,13 @@ from learner.orchestrate.publisher import Publisher
 from learner.orchestrate.verify import RolloutVerifier
 from learner.run import Run, sampler_departure
 from learner.train.data_parallel import full_state
-from learner.train.models import model_spec, policy_recipe
+from learner.train.models import model_spec
 from learner.train.wire_weights import send_to_sampler
 from p2p.auth import AUTH, SwarmAuth, read_allow_list, read_secret
 from p2p.broadcast import ChunkStore, Seeder
 from p2p.host import Host, HostConfig
 from p2p.identity import load_identity
-from p2p.messages import Engine
+from p2p.messages import Engine, ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -86,22 +86,19 @@ class SwarmSide:
         self.journal.close()
 
 
-LLAMA_LAYOUT = ("llama", "mistral")  # written by echo-rl's own GGUF writer: not llama.cpp's family assumptions
-
-
-def refuse_departing_llamacpp(cfg: LearnerConfig, run: Run, probe: Callable[[], Engine] | None) -> None:
-    """Sample with llama.cpp on this machine (`probe` builds the engine) where the model is a family it runs
-    through its converter's recipe (not Llama or Mistral); if it departs from the learner
-    (learner.run.sampler_departure), the recipe becomes the reason, so that llama.cpp workers refuse the model
-    in one line at join and transformers workers run it."""
+def refuse_departing_llamacpp(cfg: LearnerConfig, run: Run, probe: Callable[[ModelSpec], Engine | None] | None) -> None:
+    """Sample with llama.cpp on this machine where it runs the model through its converter's recipe (`probe`
+    builds the engine, or None where echo-rl's own llama layout writes the model: no family assumptions of
+    llama.cpp's to check); if it departs from the learner (learner.run.sampler_departure), the recipe becomes
+    the reason, so that llama.cpp workers refuse the model in one line at join and transformers workers run it."""
     policy = run.policy
     if probe is None or not cfg.swarm.check_llamacpp or run.world.size > 1:
         return  # (sharded weights: the check would need a gathered copy; not made)
-    if policy.model.config.model_type in LLAMA_LAYOUT or "arch" not in json.loads(policy_recipe(policy)):
+    spec = model_spec(policy)
+    if "arch" not in spec.recipe() or (engine := probe(spec)) is None:
         return
-    engine = probe()
     try:
-        send_to_sampler(engine, model_spec(policy), policy.model)
+        send_to_sampler(engine, spec, policy.model)
         reason = sampler_departure(cfg, policy, engine)
     finally:
         engine.close()
@@ -110,7 +107,9 @@ def refuse_departing_llamacpp(cfg: LearnerConfig, run: Run, probe: Callable[[], 
         log.warning("%s: llama.cpp workers are refused, transformers workers run it", reason)
 
 
-def start_swarm(cfg: LearnerConfig, run: Run, resume: bool, probe: Callable[[], Engine] | None = None) -> SwarmSide:
+def start_swarm(
+    cfg: LearnerConfig, run: Run, resume: bool, probe: Callable[[ModelSpec], Engine | None] | None = None
+) -> SwarmSide:
     """Start the host and every handler of `run`'s swarm side, then write RUN_DIR/learner.addr. `probe`: see
     refuse_departing_llamacpp."""
     refuse_departing_llamacpp(cfg, run, probe)

@@ -489,6 +489,9 @@ def _vocab(packed: object) -> dict[str, list]:
             isinstance(items, list) and all(type(x) is kind for x in items)
             for items, kind in zip(lists, kinds, strict=True))):  # fmt: skip
         raise MessageError("'spec.vocab' must hold lists of tokens, token types and merges")
+    tokens, types, _ = lists
+    if len(types) != len(tokens) or not all(0 <= t <= 6 for t in types):  # GGUF token types: 0 to 6
+        raise MessageError("'spec.vocab' needs one token type (0 to 6) per token")
     return dict(zip(VOCAB_FIELDS, lists, strict=True))
 
 

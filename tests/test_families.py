@@ -255,11 +255,13 @@ def test_the_spec_protocol_is_versioned(tiny):
     "vocab",
     ["text", b"not zstd", zstandard.compress(b"\0" * (65 << 20)), zstandard.compress(msgpack.packb([1, 2])),
      zstandard.compress(msgpack.packb([["a"], [True], ["a b"]])), zstandard.compress(msgpack.packb({"a": 1})),
+     zstandard.compress(msgpack.packb([["a", "b"], [1], []])), zstandard.compress(msgpack.packb([["a"], [-1], []])),
      zstandard.compress(b"\x91")],
 )  # fmt: skip
 def test_a_spec_with_a_broken_vocabulary_is_a_bad_message(tiny, vocab):
     """The compressed vocabulary of a spec (protocol 3): not bytes, not zstd, a bomb past MAX_VOCAB, not
-    three lists of the right types, truncated msgpack: a malformed reply, never an exception out of join."""
+    three lists of the right types, token types missing or out of range, truncated msgpack: a malformed reply,
+    never an exception out of join."""
     from p2p.messages import MessageError
 
     wire = SpecReply("r", model_spec(tiny), 2).to_wire()

@@ -108,6 +108,9 @@ class _Tracer(TorchFunctionMode):
 def gguf_recipe(model: torch.nn.Module, tokenizer: Any, shapes: dict[str, tuple[int, ...]]) -> dict:
     """The recipe of `model` (its config, and `shapes`: its wire tensors' names and shapes, LoRA adapters
     excluded); RecipeError if the converter cannot lay it out."""
+    import gguf
+    from transformers.core_model_loading import revert_weight_conversion
+
     tracer = _Tracer()
     with tempfile.TemporaryDirectory(prefix="echo-rl-recipe-") as tmp:
         leaves = {name: torch.empty(shape, dtype=torch.float32, device="meta") for name, shape in shapes.items()}
@@ -119,8 +122,6 @@ def gguf_recipe(model: torch.nn.Module, tokenizer: Any, shapes: dict[str, tuple[
         if tied and base.model_arch.name in STORES_TIED_OUTPUT:  # the embedding, stored again as the output layer
             leaves["lm_head.weight"] = torch.empty(shapes[embed], dtype=torch.float32, device="meta")
             tracer.add(["w", embed], leaves["lm_head.weight"])
-        from transformers.core_model_loading import revert_weight_conversion
-
         with tracer:
             files = revert_weight_conversion(model, leaves)  # checkpoint names, as the converter reads them
         converter = _instantiate(base, Path(tmp), files)
@@ -138,8 +139,6 @@ def gguf_recipe(model: torch.nn.Module, tokenizer: Any, shapes: dict[str, tuple[
                         tensors.append([gguf_name, tracer.node_of[id(out)]])
         converter.set_gguf_parameters()
     kv = _metadata(converter, lambda key: not key.startswith(("tokenizer.", "general.name")))
-    import gguf
-
     return {"arch": gguf.MODEL_ARCH_NAMES[converter.model_arch], "kv": kv, "nodes": tracer.nodes, "tensors": tensors}
 
 

@@ -1,7 +1,8 @@
 """Policy models the learner trains: the bundled SmolLM2-135M, a tiny random Llama, or a local model.
 
 Every model is a transformers causal LM of a tested family (FAMILIES: Llama, Qwen2/3, Qwen3-MoE, Mistral,
-Gemma 3, Phi-3, OLMo 2) in float32 with a byte-level BPE tokenizer that has a chat template.
+Gemma 3, Phi-3, OLMo 2) in float32 with a fast tokenizer (byte-level BPE, or SentencePiece read as BPE with
+byte fallback) that has a chat template.
 `model_spec` says what a worker needs to rebuild it (learner.train.wire_weights: its weights).
 """
 
@@ -101,17 +102,10 @@ def load_policy(name: str, cache_dir: str | Path, seed: int = 0) -> Policy:
         return tiny_policy(seed)
     if name == "smollm2-135m":
         return _smollm2_policy(Path(cache_dir).expanduser())
-    path = label = Path(name).expanduser()
-    if not path.exists() and _looks_like_hub_id(name):
-        path, label = _from_hub_cache(name), Path(name)
-    if not path.exists():
-        raise ModelError(
-            f"model {name!r} is neither a known name (smollm2-135m, tiny), an existing path, nor a hub id (org/name)"
-        )
+    path, label = _model_path(name)
     if path.is_file() and path.suffix == ".gguf":
         return _from_gguf(path.parent, path.name, name)
-    if path.is_dir() and (path / "config.json").exists():
-        _check_causal_lm(json.loads((path / "config.json").read_text()).get("model_type"), name)
+    if _hf_folder(path, name):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(path)
         return _finish(Policy(model, tokenizer, label.name))
@@ -121,13 +115,29 @@ def load_policy(name: str, cache_dir: str | Path, seed: int = 0) -> Policy:
 def load_model_config(name: str, cache_dir: str | Path) -> PretrainedConfig:
     """The config of what load_policy(`name`) would load, without its weights where a folder has a config.json
     (a local folder or the hub cache); the bundled, tiny and GGUF models are small enough to load."""
-    path = Path(name).expanduser()
-    if not path.exists() and _looks_like_hub_id(name):
-        path = _from_hub_cache(name)
-    if path.is_dir() and (path / "config.json").exists():
-        _check_causal_lm(json.loads((path / "config.json").read_text()).get("model_type"), name)
+    if name not in ("tiny", "smollm2-135m") and _hf_folder(path := _model_path(name)[0], name):
         return AutoConfig.from_pretrained(path)
     return load_policy(name, cache_dir).model.config
+
+
+def _model_path(name: str) -> tuple[Path, Path]:
+    """(where `name` is on disk, its label): a local path, or a hub id's snapshot in the local cache."""
+    path = label = Path(name).expanduser()
+    if not path.exists() and _looks_like_hub_id(name):
+        path, label = _from_hub_cache(name), Path(name)
+    if not path.exists():
+        raise ModelError(
+            f"model {name!r} is neither a known name (smollm2-135m, tiny), an existing path, nor a hub id (org/name)"
+        )
+    return path, label
+
+
+def _hf_folder(path: Path, name: str) -> bool:
+    """Whether `path` is a transformers folder (config.json), of a family echo-rl trains (ModelError if not)."""
+    if not (path.is_dir() and (path / "config.json").exists()):
+        return False
+    _check_causal_lm(json.loads((path / "config.json").read_text()).get("model_type"), name)
+    return True
 
 
 def _looks_like_hub_id(name: str) -> bool:
