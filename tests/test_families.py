@@ -183,9 +183,11 @@ def test_a_swarm_trains_a_family_with_lora_and_flags_no_honest_worker(name, swar
     folder = save_family(name, swarm.tmp / name)  # "phi3": the name llama.cpp keys token attributes on
     data = swarm.tmp / "short.jsonl"  # a reward the random tiny model earns half the time: it really trains
     data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": 40}) + "\n" for i in range(5)))
-    # --min-workers 2: no lease until both hold v0, or the first up may do the whole run
+    # --min-workers 2: no lease until both hold v0; --no-autoscale: both stay active (the capacity model may
+    # switch the slower one off: in a fresh clone a llama.cpp worker merging adapters got no group, twice)
     learner = swarm.learner("--model", str(folder), "--steps", "6", "--publish-every", "1", "--verify-first", "1000",
-                            "--min-workers", "2", "--lora-rank", "4", "--lr", "5e-2", "--task", f"jsonl:{data}",
+                            "--min-workers", "2", "--no-autoscale", "--lora-rank", "4", "--lr", "5e-2",
+                            "--task", f"jsonl:{data}",
                             "--task-args", "reward=tests.rewards:starts_ascii")  # fmt: skip
     swarm.worker("hf", "--engine", "transformers", "--max-groups", "1")
     swarm.worker("llama", "--max-groups", "1")
