@@ -32,7 +32,7 @@ MAX_ADDR_CHARS = 255  # characters in one announced address
 ADDR_HOSTS = ("ip4", "ip6", "dns", "dns4", "dns6")  # then /tcp/PORT: the one transport hosts speak (p2p.host)
 PEER_SILENCE = 30.0  # seconds without a request after which a peer leaves the learner's list (swarm.worker_silence)
 # A libp2p connection takes about 6 round trips (TCP, multistream, noise, yamux): 1.2 s at 200 ms, 1.8 s when
-# a packet of it is lost (tests/netlab.py, docs/benchmarks.md); peers 200 ms from each other on a busy CPU
+# a packet of it is lost (echo_cli/netlab.py, docs/benchmarks.md); peers 200 ms from each other on a busy CPU
 # need more. A silent address holds one of a few background slots this long, never a join or a lease.
 PROBE_TIMEOUT = 6.0  # seconds the learner's dial-back of one announced address may take
 PROBE_WORKERS = 4  # dial-backs at once

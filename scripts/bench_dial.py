@@ -1,5 +1,5 @@
 """How long a libp2p connection takes to set up across a shaped link: a host in the netlab's `inet`
-namespace, dialled from `home` behind the NAT router (tests/netlab.py), for each one-way delay and loss.
+namespace, dialled from `home` behind the NAT router (echo_cli/netlab.py), for each one-way delay and loss.
 The peer list's timeouts (p2p.peer_list.PROBE_TIMEOUT, DIAL_TIMEOUT) are chosen from these figures. Root only.
 
     .venv/bin/python scripts/bench_dial.py --delays 20,100,200 --loss 0,0.01 --dials 8
@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests import netlab  # noqa: E402
+from echo_cli import netlab  # noqa: E402
 
 SERVE = """
 import sys, time

@@ -31,7 +31,7 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -x "$VENV/bin/echo-rl
 fi
 
 # System packages: a compiler and cmake for llama.cpp, libgmp-dev for py-libp2p's fastecdsa, iproute2 and
-# iptables for the tests that build a NAT router in network namespaces (tests/netlab.py).
+# iptables for the tests that build a NAT router in network namespaces (echo_cli/netlab.py).
 missing=()
 for pkg in gcc g++ cmake libgmp-dev iproute2 iptables; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")

@@ -22,7 +22,7 @@ class Swarm:
         self.run_dir = tmp_path / "run"
 
     def spawn(self, name: str, *args: str, ranks: int = 1, within: Sequence[str] = ()) -> subprocess.Popen:
-        """`within`: a command the process runs under (tests.netlab: a network namespace)."""
+        """`within`: a command the process runs under (echo_cli.netlab: a network namespace)."""
         log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
         env = {**os.environ, "COLUMNS": "200"}
         launch = [*within, sys.executable]
