@@ -3,15 +3,21 @@
 The learner (seeder) holds every chunk of a version. Each peer fetches chunks from the learner and
 from other peers at once, and serves every chunk it holds while it is still downloading:
 
-- the learner's upload is spread: peer of rank r (in the sorted peer list) asks the learner first for
-  the chunks i with i % n_peers == r, so each chunk leaves the learner about once;
+- the learner decides what it sends: a peer *claims* a chunk (a /echo/chunk/1 request naming the chunks it
+  still misses, marking those no peer of its own holds), and the learner answers with the one of them it
+  has sent least, those the asker cannot get elsewhere first. Each chunk leaves the learner once before
+  any leaves twice, and a chunk held only by peers the asker cannot reach (two workers behind NAT) comes
+  from the learner: no chunk waits on a peer that nobody can reach, whatever each peer's view of the
+  swarm. Every peer keeps LEARNER_CLAIMS claims in flight, so the learner's uplink never idles while
+  anyone misses anything;
 - everything else comes from peers, rarest chunk first (fewest holders in the have-maps), with a
-  bounded number of requests in flight per peer;
+  bounded number of requests in flight per peer; a peer that reached us (one behind NAT) is asked over
+  its own connection;
 - a chunk whose hash does not match is thrown away, the peer that served it is penalised (avoided
   after PENALTY_LIMIT), and the chunk is fetched elsewhere; a peer that resets or times out is
   skipped for a while.
 
-Long because BroadcastPeer's pipelined fetch (learner shares, rarest first, penalties, have-maps) is
+Long because BroadcastPeer's pipelined fetch (claims, rarest first, penalties, have-maps) is
 one algorithm, kept in one place with the seeder side it talks to.
 
 Have-maps travel both ways in one /echo/have/1 request: the asker sends its map and gets the other's.
@@ -40,6 +46,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -73,8 +80,15 @@ JOIN = "/echo/join/1"
 PENALTY_LIMIT = 3  # bad chunks after which a peer is no longer asked
 DEAD_FOR = 5.0  # seconds a peer that failed a request is skipped
 HAVE_REFRESH = 0.3  # seconds between have-map exchanges with each peer
-OWNER_GRACE = 2.0  # seconds a peer has to show it fetches a version before others take its learner share
-OWNER_SAID_NO = 2  # have-map answers "not fetching it" after which a peer's learner share is taken in its grace
+LEARNER_CLAIMS = 2  # claims a peer keeps in flight to the learner (one arriving while the next is on its way)
+CLAIM_WAIT = 0.2  # seconds a peer waits before claiming again when the learner had nothing for it
+CHUNK_TIMEOUT = 60.0  # seconds until a chunk reply starts; then its body may take its size / CHUNK_MIN_RATE
+CHUNK_MIN_RATE = 32e3  # bytes/s: a 4 MiB chunk from a 1 Mbit/s uplink shared by UPLOAD_SLOTS replies arrives
+# seconds after a chunk went out before the learner sends it again: by then its holder has shown it in the
+# have-maps of the peers that can reach it, so a peer that still cannot find it needs it from the learner
+COPY_AFTER = 2.0
+# seconds before the learner gives a peer a chunk it gave it already (sooner if the peer says a claim failed)
+REGIVE_AFTER = CHUNK_TIMEOUT + (4 << 20) / CHUNK_MIN_RATE
 # chunk replies a node sends at once; more wait their turn. A chunk can be relayed only once all of it has
 # arrived, so k replies sharing an uplink each take k times longer to become useful to the swarm; two, not
 # one, so that the uplink does not idle between a reply and the next request (docs/benchmarks.md "Broadcast")
@@ -114,7 +128,6 @@ class ChunkServer:
         self.store = store
         self.snapshots: ChunkStore | None = None  # the learner's full snapshots beside the chain
         self.peer_have: dict[str, dict[int, set[int]]] = defaultdict(dict)  # peer -> version -> chunks
-        self.peer_said_no: dict[str, dict[int, int]] = defaultdict(dict)  # peer -> version -> "not fetching it"s
         self.chunks_served = 0
         host.handle(MANIFEST, self._on_manifest)
         # upload_slots: answer only this many chunk requests at once (None: all, sharing the uplink)
@@ -124,7 +137,6 @@ class ChunkServer:
     def forget(self, peer: str) -> None:
         """Drop what we know about a peer that left (its have-maps)."""
         self.peer_have.pop(peer, None)
-        self.peer_said_no.pop(peer, None)
 
     def _on_manifest(self, peer: str, msg: dict) -> dict:
         versions = self.store.manifests
@@ -203,7 +215,6 @@ class ChunkServer:
         if isinstance(msg.get("have"), bytes) and store is self.store:  # (the learner's status counts the chain's)
             maps = self.peer_have[peer]
             maps[version] = from_bitmap(msg["have"], n)
-            self.peer_said_no[peer].pop(version, None)
             for old in [v for v in maps if v not in self.store.manifests]:  # versions dropped since
                 del maps[old]
         return {"have": bitmap(store.held(version), n)}
@@ -231,6 +242,14 @@ class Seeder(ChunkServer):
         self.registry = PeerRegistry(host.guard.banned_peers, super().forget, silence, clock)
         host.watch_requests(self.registry.heard)
         host.handle(JOIN, self._on_join)
+        # what each claim was given: (version, from the snapshots) -> copies sent of each chunk, and
+        # -> peer -> chunk -> when it was last given to that peer
+        self._sent: dict[tuple[int, bool], list[int]] = {}
+        self._last_sent: dict[tuple[int, bool], list[float]] = {}  # when each chunk last went out
+        self._given: dict[tuple[int, bool], dict[str, dict[int, float]]] = {}
+        self._claims_lock = threading.Lock()
+        self._rng = random.Random()
+        self._clock = clock
 
     @property
     def peers(self) -> dict[str, list[str]]:
@@ -261,6 +280,80 @@ class Seeder(ChunkServer):
     def _on_join(self, peer: str, msg: dict) -> dict:
         return {"peers": self.registry.join(peer, msg.get("addrs"))}
 
+    def _on_chunk(self, peer: str, msg: dict) -> dict:
+        return self._on_claim(peer, msg) if "want" in msg else super()._on_chunk(peer, msg)
+
+    def _on_claim(self, peer: str, msg: dict) -> dict:
+        """A claim {version, run_id, full, want, hard, again}: `want` the chunks the peer misses and has not
+        asked anyone for, `hard` those of them no peer of its own holds (bitmaps). Answers {index, data} with
+        the chunk of `want` to send now: one of `hard` before any other, then the one sent fewest times (ties
+        at random); not one sent in the last COPY_AFTER seconds, nor one given to this peer in the last
+        REGIVE_AFTER unless it says `again` (a claim of its failed). {index: None} if there is none;
+        {gone: True} if the version is not held (a newer one is out) or is another run's."""
+        version, want, hard = msg.get("version"), msg.get("want"), msg.get("hard", b"")
+        if not isinstance(version, int) or not isinstance(want, bytes) or not isinstance(hard, bytes):
+            raise Misbehaviour("a chunk claim needs an integer version and bitmaps want and hard")
+        store = self._store_for(version, msg.get("full"))
+        if store is None or not self._same_run(store, version, msg.get("run_id")):
+            return {"gone": True}
+        n = len(store.manifests[version].chunks)
+        try:
+            wanted, hard_ones = from_bitmap(want, n), from_bitmap(hard, n) if hard else set()
+        except BadRequest as exc:
+            raise Misbehaviour(f"chunk claim: {exc}") from None
+        key, now = (version, store is self.snapshots), self._clock()
+        with self._claims_lock:
+            self._forget_dropped()
+            sent = self._sent.setdefault(key, [0] * n)
+            last = self._last_sent.setdefault(key, [0.0] * n)
+            given = self._given.setdefault(key, {}).setdefault(peer, {})
+            if msg.get("again") is True:
+                given.clear()
+            fresh = [
+                i
+                for i in wanted
+                if now - given.get(i, -REGIVE_AFTER) >= REGIVE_AFTER and (not sent[i] or now - last[i] >= COPY_AFTER)
+            ]
+            if not fresh:
+                return {"index": None}
+            index = min(fresh, key=lambda i: (i not in hard_ones, sent[i], self._rng.random()))
+            sent[index] += 1
+            given[index] = last[index] = now
+        data = store.get(version, index)
+        if data is None:  # dropped since we looked
+            return {"gone": True}
+        self.chunks_served += 1
+        return {"index": index, "data": data}
+
+    def _forget_dropped(self) -> None:
+        """Forget the claims of versions no longer held (called holding the claims lock)."""
+        for version, snapshot in list(self._sent):
+            if version not in (self.snapshots if snapshot else self.store).manifests:
+                self._sent.pop((version, snapshot))
+                self._last_sent.pop((version, snapshot), None)
+                self._given.pop((version, snapshot), None)
+
+    def copies_sent(self, version: int) -> list[int]:
+        """How many times each chunk of chain `version` went out to a claim (for tests and benchmarks)."""
+        with self._claims_lock:
+            return list(self._sent.get((version, False), []))
+
+
+@dataclass
+class _Fetch:
+    """One version being fetched: the requests in flight and what they taught us. `done` guards it and is
+    notified whenever a request ends."""
+
+    manifest: Manifest
+    inflight: dict[int, str] = field(default_factory=dict)  # chunk -> the peer asked for it
+    per_peer: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # requests in flight per peer
+    failed: set[tuple[int, str]] = field(default_factory=set)  # (chunk, peer) that peer did not have
+    claims: int = 0  # claims in flight to the learner
+    claim_after: float = 0.0  # no claim before this time (the learner had nothing for us)
+    claim_failed: bool = False  # a claim's reply was lost (the next claim says so)
+    gone: bool = False  # the learner no longer holds the version
+    done: threading.Condition = field(default_factory=threading.Condition)
+
 
 class BroadcastPeer(ChunkServer):
     """A worker's side: joins a learner, then fetches versions from the learner and its peers."""
@@ -274,9 +367,12 @@ class BroadcastPeer(ChunkServer):
         per_peer_inflight: int = 2,
         use_peers: bool = True,
         upload_slots: int | None = UPLOAD_SLOTS,
+        announce: list[str] | None = None,
     ) -> None:
         super().__init__(host, store, upload_slots)
         self.use_peers = use_peers  # False: fetch from the learner only (the star baseline)
+        # the addresses we announce (None: those we listen on); each gets /p2p/<our id> if it lacks one
+        self.announce = [a if "/p2p/" in a else f"{a}/p2p/{host.peer_id}" for a in announce] if announce else None
         self.learner_addr = learner
         self.learner = learner.rsplit("/p2p/", 1)[-1]
         self.max_inflight = max_inflight
@@ -287,20 +383,20 @@ class BroadcastPeer(ChunkServer):
         self.stats: dict[str, int] = defaultdict(int)  # chunks by source, bad chunks, failures
         self._last_join = 0.0
         self.last_learner_chunk_at = 0.0
-        self._fetch_started = 0.0
         # peers are dialled in the background: `peers` is replaced, never changed in place, when one is reached
         self._dials = BackgroundPool("dial", DIAL_WORKERS, DIAL_BACKLOG)
         self._dialling: set[str] = set()  # peers being dialled or queued for it
         self._retry_at: dict[str, float] = {}  # peer -> when a peer we could not reach may be dialled again
         self._skipped: set[str] = set()  # peers whose entry was skipped and logged (once each)
         self._peers_changed = threading.Condition()
+        self._traders = ThreadPoolExecutor(max_workers=8, thread_name_prefix="have")  # have-map trades at once
 
     def join(self, timeout: float = 10.0, learner: str | None = None) -> None:
         """Register with the learner (at `learner`, an address or a peer id we are connected to; by default
         the address we were given) and start dialling the peers it lists. Returns as soon as the learner
         answered: the dials go on in the background (wait_for_peers, wait_dials), so that no listed peer,
         however slow, holds up a joining worker."""
-        announce = [a for a in self.host.addrs if self._own_addr(a)][:MAX_ADDRS]
+        announce = [a for a in self.announce or self.host.addrs if self._own_addr(a)][:MAX_ADDRS]
         reply = self.host.request(learner or self.learner_addr, JOIN, {"addrs": announce}, timeout=timeout)
         self.refresh_peers(reply.get("peers") if isinstance(reply, dict) else None)
 
@@ -315,13 +411,21 @@ class BroadcastPeer(ChunkServer):
     def refresh_peers(self, peers: object) -> int:
         """Start dialling, in the background, the listed peers we are not connected to: at most DIAL_BACKLOG
         queued or in flight (the rest wait for the next refresh), DIAL_WORKERS at once, DIAL_TIMEOUT per
-        address. A peer that could not be reached is dialled again after DIAL_RETRY. Never raises on a bad
-        list or entry. Returns how many dials it started."""
+        address. A peer that could not be reached is dialled again after DIAL_RETRY; one no longer listed
+        (it left, went silent or was banned) is no longer asked. Never raises on a bad list or entry.
+        Returns how many dials it started."""
         if not self.use_peers:
             return 0
         if not isinstance(peers, dict):
             log.debug("the learner's peer list is a %s, not a map; ignored", type(peers).__name__)
             return 0
+        with self._peers_changed:  # the list is whole (the registry holds at most MAX_PEERS): who is not on it left
+            gone = [p for p in self.peers if p not in peers]
+            if gone:
+                self.peers = {p: a for p, a in self.peers.items() if p in peers}
+        for peer in gone:
+            self.peer_have.pop(peer, None)
+            log.debug("peer %s left the learner's list; no longer asked", peer[-8:])
         now, started = time.monotonic(), 0
         for peer, addrs in list(peers.items())[:MAX_PEERS]:
             if not self._should_dial(peer, now):
@@ -396,6 +500,7 @@ class BroadcastPeer(ChunkServer):
     def close(self) -> None:
         """Drop the queued dials and start no more (stop the host first: the running dials then fail at once)."""
         self._dials.close()
+        self._traders.shutdown(wait=False, cancel_futures=True)
 
     def fetch_manifest(self, version: int | None = None, timeout: float = 10.0) -> Manifest:
         """The learner's newest (or given) manifest, checked against the learner's key."""
@@ -504,19 +609,6 @@ class BroadcastPeer(ChunkServer):
                 self.store.drop(version)
         return raw
 
-    def _fetching(self, peer: str, version: int) -> bool:
-        """Whether `peer` takes part in fetching `version`, so that its share of the learner's chunks is
-        left to it: itself, or alive and (still in the grace period, or known to be on this version)."""
-        if peer == self.host.peer_id:
-            return True
-        if version in self.peer_have.get(peer, {}):
-            return self._alive(peer)
-        # a peer that has not shown the version yet gets a grace period, unless it said twice (HAVE_REFRESH
-        # apart) that it does not fetch it: one that skipped this version must not hold our fetch up
-        in_grace = time.monotonic() - self._fetch_started < OWNER_GRACE
-        said_no = self.peer_said_no.get(peer, {}).get(version, 0) >= OWNER_SAID_NO
-        return self._alive(peer) and in_grace and not said_no
-
     def _alive(self, peer: str) -> bool:
         return self.dead_until.get(peer, 0.0) < time.monotonic() and self.penalties[peer] < PENALTY_LIMIT
 
@@ -524,26 +616,15 @@ class BroadcastPeer(ChunkServer):
         """Download every chunk of `manifest` (already verified), serving what we hold meanwhile.
 
         Raises PeerUnavailable when `stop` is set, or when the learner is unreachable and no peer has
-        anything left to give us.
+        anything left to give us; VersionDropped when the learner no longer holds the version.
         """
         version, n = manifest.version, len(manifest.chunks)
         self.store.add_manifest(manifest)
         deadline = time.monotonic() + timeout
-        inflight: dict[int, str] = {}
-        per_peer: dict[str, int] = defaultdict(int)
-        failed: set[tuple[int, str]] = set()
-        done = threading.Condition()
+        fetch = _Fetch(manifest)
         rng = random.Random(self.host.peer_id)
-
-        def rank_share() -> set[int]:
-            ranked = sorted([*self.peers, self.host.peer_id])
-            r, k = ranked.index(self.host.peer_id), len(ranked)
-            return {i for i in range(n) if i % k == r}
-
-        share = rank_share()
         last_have = 0.0
-        self._fetch_started = time.monotonic()
-        with ThreadPoolExecutor(max_workers=self.max_inflight + 2, thread_name_prefix="fetch") as pool:
+        with ThreadPoolExecutor(max_workers=self.max_inflight + LEARNER_CLAIMS + 2, thread_name_prefix="fetch") as pool:
             have_future: Future | None = None
             while True:
                 held = self.store.held(version)
@@ -553,123 +634,159 @@ class BroadcastPeer(ChunkServer):
                     raise TimeoutError(f"version {version}: {len(held)}/{n} chunks after {timeout}s")
                 if stop is not None and stop.is_set():
                     raise PeerUnavailable(f"stopped while fetching version {version}")
+                if fetch.gone:  # the learner dropped this version (a newer one is out): so do we, so that
+                    self.store.drop(version)  # peers stop asking us for it
+                    raise VersionDropped(f"version {version} is no longer held by the learner")
                 if (
-                    not inflight
+                    not fetch.inflight
+                    and not fetch.claims
                     and not self._alive(self.learner)
-                    and not any(self._alive(p) and self.peer_have[p].get(version, set()) - held for p in self.peers)
+                    and not any(self._alive(p) and self.peer_have[p].get(version, set()) - held for p in self.peer_have)
                 ):
                     raise PeerUnavailable(f"version {version}: the learner is unreachable and no peer can help")
-                if any(source == self.learner for _, source in failed):
-                    # the learner refused a chunk: it dropped this version (a newer one is out). Drop it too,
-                    # so that peers stop counting on us for our share of it
-                    self.store.drop(version)
-                    raise VersionDropped(f"version {version} is no longer held by the learner")
                 if (have_future is None or have_future.done()) and time.monotonic() - last_have > HAVE_REFRESH:
                     last_have = time.monotonic()
                     have_future = pool.submit(self._exchange_have_maps, manifest, held)
 
-                with done:
-                    for index, source in self._choose(version, n, held, inflight, per_peer, failed, share, rng):
-                        inflight[index] = source
-                        per_peer[source] += 1
-                        pool.submit(self._fetch_one, manifest, index, source, inflight, per_peer, failed, done)
-                    done.wait(0.05)
+                with fetch.done:
+                    picks, claim = self._choose(fetch, held, rng)
+                    for index, source in picks:
+                        fetch.inflight[index] = source
+                        fetch.per_peer[source] += 1
+                        pool.submit(self._fetch_one, fetch, index, source)
+                    if claim is not None:
+                        fetch.claims += 1
+                        pool.submit(self._claim_one, fetch, *claim)
+                    fetch.done.wait(0.05)
         return [self.store.get(version, i) or b"" for i in range(n)]
 
-    def _choose(self, version, n, held, inflight, per_peer, failed, share, rng):
-        """Pick (chunk, source) pairs for the free request slots: rarest first from peers, else the learner."""
-        slots = self.max_inflight - len(inflight)
-        if slots <= 0:
-            return []
+    def _choose(
+        self, fetch: _Fetch, held: set[int], rng: random.Random
+    ) -> tuple[list[tuple[int, str]], tuple[bytes, bytes] | None]:
+        """What to ask for now (called holding fetch.done): (chunk, peer) pairs for the free request slots,
+        rarest first; and a claim (want, hard) for the learner if one of its slots is free, else None."""
+        version, n = fetch.manifest.version, len(fetch.manifest.chunks)
         holders: dict[int, list[str]] = defaultdict(list)
         for peer, maps in list(self.peer_have.items()):
-            if peer != self.learner and peer in self.peers and self._alive(peer):
+            if peer != self.learner and self._alive(peer):  # listed peers, and those that reached us
                 for i in maps.get(version, ()):
                     holders[i].append(peer)
-        wanted = [i for i in range(n) if i not in held and i not in inflight]
+        wanted = [i for i in range(n) if i not in held and i not in fetch.inflight]
         rng.shuffle(wanted)  # ties broken differently by every peer
-        picks = []
-        # 1. chunks some peer holds, rarest first
+        picks: list[tuple[int, str]] = []
+        slots = self.max_inflight - len(fetch.inflight)
+        busy = defaultdict(int, fetch.per_peer)
         for i in sorted((i for i in wanted if holders[i]), key=lambda i: len(holders[i])):
-            free = [p for p in holders[i] if per_peer[p] < self.per_peer_inflight and (i, p) not in failed]
+            free = [p for p in holders[i] if busy[p] < self.per_peer_inflight and (i, p) not in fetch.failed]
             if free and len(picks) < slots:
-                source = min(free, key=lambda p: per_peer[p])
+                source = min(free, key=lambda p: busy[p])
                 picks.append((i, source))
-                per_peer[source] += 1  # so the next pick sees it; undone below
-        for _, source in picks:
-            per_peer[source] -= 1
-        # 2. from the learner, one at a time: our share first, then the share of a peer that is gone or
-        #    not fetching this version. Once every chunk has left the learner (each is held by somebody),
-        #    its uplink is free: from then on it is one more source for whatever we still miss, rarest
-        #    first (the end game).
-        if per_peer[self.learner] == 0 and len(picks) < slots and self._alive(self.learner):
-            ranked = sorted([*self.peers, self.host.peer_id])
+                busy[source] += 1
+        claim = None
+        if fetch.claims < LEARNER_CLAIMS and time.monotonic() >= fetch.claim_after and self._alive(self.learner):
             taken = {i for i, _ in picks}
-            rest = [i for i in wanted if not holders[i] and (i, self.learner) not in failed and i not in taken]
-            mine = [i for i in rest if i in share]
-            orphans = [i for i in rest if not self._fetching(ranked[i % len(ranked)], version)]
-            all_out = all(holders[i] or i in held for i in range(n))
-            end_game = sorted((i for i in wanted if i not in taken), key=lambda i: len(holders[i])) if all_out else []
-            picks += [(i, self.learner) for i in (mine or orphans or end_game)[:1]]
-        return picks
+            rest = {i for i in wanted if i not in taken}
+            if rest:
+                claim = (bitmap(rest, n), bitmap({i for i in rest if not holders[i]}, n))
+        return picks, claim
 
-    def _fetch_one(self, manifest, index, source, inflight, per_peer, failed, done) -> None:
+    def _fetch_one(self, fetch: _Fetch, index: int, source: str) -> None:
+        """Ask peer `source` for chunk `index` (a pool job)."""
+        manifest = fetch.manifest
+        try:
+            ask = {"version": manifest.version, "index": index, "run_id": manifest.run_id, "full": is_full(manifest)}
+            reply = self.host.request(source, CHUNK, ask, CHUNK_TIMEOUT, CHUNK_MIN_RATE)
+            self._keep(manifest, index, source, reply.get("data"))
+        except RemoteError:
+            fetch.failed.add((index, source))  # the peer does not hold it (any more)
+        except PeerUnavailable as exc:
+            self._unavailable(source, exc)
+        finally:
+            with fetch.done:
+                fetch.inflight.pop(index, None)
+                fetch.per_peer[source] -= 1
+                fetch.done.notify_all()
+
+    def _claim_one(self, fetch: _Fetch, want: bytes, hard: bytes) -> None:
+        """Claim a chunk from the learner (a pool job): it picks which (Seeder._on_claim)."""
+        manifest = fetch.manifest
+        claim = {"version": manifest.version, "run_id": manifest.run_id, "full": is_full(manifest), "want": want}
+        claim |= {"hard": hard, "again": fetch.claim_failed}
+        wait = 0.0
+        try:
+            reply = self.host.request(self.learner, CHUNK, claim, CHUNK_TIMEOUT, CHUNK_MIN_RATE)
+            fetch.claim_failed = False
+            index = reply.get("index")
+            if reply.get("gone") is True:
+                fetch.gone = True
+            elif index is None:
+                wait = CLAIM_WAIT  # nothing for us now: what we miss is on its way from peers
+            elif isinstance(index, int) and 0 <= index < len(manifest.chunks):
+                self._keep(manifest, index, self.learner, reply.get("data"))
+            else:
+                self._keep(manifest, 0, self.learner, None)  # not a chunk of this version: a bad reply
+        except RemoteError as exc:  # refused (not authorized: a restarted learner; it failed): not "dropped"
+            self.dead_until[self.learner] = time.monotonic() + DEAD_FOR
+            log.info("chunk claim refused by the learner: %s", exc)
+        except PeerUnavailable as exc:
+            fetch.claim_failed = True  # the chunk it was sending us is lost: it may send it again
+            self._unavailable(self.learner, exc)
+        finally:
+            with fetch.done:
+                fetch.claims -= 1
+                fetch.claim_after = max(fetch.claim_after, time.monotonic() + wait)
+                fetch.done.notify_all()
+
+    def _keep(self, manifest: Manifest, index: int, source: str, data: object) -> None:
+        """Store chunk `index` that `source` sent if it is the manifest's; else penalise the source."""
         version = manifest.version
         digest, size = manifest.chunks[index]
-        try:
-            request = {"version": version, "index": index, "run_id": manifest.run_id, "full": is_full(manifest)}
-            data = self.host.request(source, CHUNK, request, timeout=60)["data"]
-            if not isinstance(data, bytes) or len(data) != size or sha256(data) != digest:
-                self.penalties[source] += 1
-                self.stats["bad_chunks"] += 1
-                failed.add((index, source))
-                log.warning("chunk %d of v%d from %s failed its hash check; penalised", index, version, source[-8:])
-            else:
-                self.store.put(version, index, data)
-                self.stats["from_learner" if source == self.learner else "from_peers"] += 1
-                self.stats["bytes_from_learner" if source == self.learner else "bytes_from_peers"] += size
-                log.debug(
-                    "chunk %d of v%d from %s", index, version, "the learner" if source == self.learner else source[-8:]
-                )
-                if source == self.learner:
-                    self.last_learner_chunk_at = time.monotonic()
-        except RemoteError:
-            failed.add((index, source))  # the peer does not hold it (any more)
-        except PeerUnavailable as exc:
-            self.stats["failures"] += 1
-            self.dead_until[source] = time.monotonic() + DEAD_FOR
-            log.info("chunk %d from %s: %s", index, source[-8:], exc)
-        finally:
-            with done:
-                inflight.pop(index, None)
-                per_peer[source] -= 1
-                done.notify_all()
+        if not isinstance(data, bytes) or len(data) != size or sha256(data) != digest:
+            self.penalties[source] += 1
+            self.stats["bad_chunks"] += 1
+            log.warning("chunk %d of v%d from %s failed its hash check; penalised", index, version, source[-8:])
+            return
+        self.store.put(version, index, data)
+        learner = source == self.learner
+        self.stats["from_learner" if learner else "from_peers"] += 1
+        self.stats["bytes_from_learner" if learner else "bytes_from_peers"] += size
+        log.debug("chunk %d of v%d from %s", index, version, "the learner" if learner else source[-8:])
+        if learner:
+            self.last_learner_chunk_at = time.monotonic()
+
+    def _unavailable(self, source: str, exc: Exception) -> None:
+        """A request to `source` failed on the connection: skip it for DEAD_FOR seconds."""
+        self.stats["failures"] += 1
+        self.dead_until[source] = time.monotonic() + DEAD_FOR
+        log.info("chunk request to %s: %s", "the learner" if source == self.learner else source[-8:], exc)
 
     def _exchange_have_maps(self, manifest: Manifest, held: set[int]) -> None:
+        """Trade have-maps with the learner (which only records ours, for `echo-rl status`) and with every
+        listed peer at once (one round trip for all of them, not one each on a slow link)."""
         version, n = manifest.version, len(manifest.chunks)
-        mine = bitmap(held, n)
-        ask = {"version": version, "have": mine, "run_id": manifest.run_id, "full": is_full(manifest)}
-        try:  # the learner only records it (for `echo-rl status`); its own map is all ones
-            self.host.request(self.learner_addr, HAVE, ask, timeout=5)
-        except (PeerUnavailable, RemoteError):
-            pass
-        for peer in list(self.peers):
-            if not self._alive(peer):
-                continue
+        ask = {"version": version, "have": bitmap(held, n), "run_id": manifest.run_id, "full": is_full(manifest)}
+
+        def trade(peer: str) -> None:
             try:
                 reply = self.host.request(peer, HAVE, ask, timeout=5)
-                said_no = self.peer_said_no[peer]
-                if isinstance(reply.get("have"), bytes):
-                    self.peer_have[peer][version] = from_bitmap(reply["have"], n)
-                    said_no.pop(version, None)
-                else:  # the peer is not fetching this version (it moved on, or has not seen it yet)
-                    self.peer_have[peer].pop(version, None)
-                    said_no[version] = said_no.get(version, 0) + 1
-                for old in [v for v in said_no if v not in self.store.manifests]:
-                    del said_no[old]
-            except (PeerUnavailable, RemoteError, BadRequest):
-                self.dead_until[peer] = time.monotonic() + DEAD_FOR
-        if time.monotonic() - self._last_join > 2.0:  # learn about peers that joined after us
+            except (PeerUnavailable, RemoteError):
+                if peer != self.learner_addr:
+                    self.dead_until[peer] = time.monotonic() + DEAD_FOR
+                return
+            if peer == self.learner_addr:
+                return
+            try:  # None: the peer is not fetching this version (it moved on, or has not seen it yet)
+                have = from_bitmap(reply["have"], n) if isinstance(reply.get("have"), bytes) else None
+            except BadRequest:
+                self.penalties[peer] += 1  # a map of the wrong size
+                return
+            if have is None:
+                self.peer_have[peer].pop(version, None)
+            else:
+                self.peer_have[peer][version] = have
+
+        list(self._traders.map(trade, [self.learner_addr, *(p for p in list(self.peers) if self._alive(p))]))
+        if time.monotonic() - self._last_join > 2.0:  # learn about peers that joined after us, and who left
             self._last_join = time.monotonic()
             try:
                 self.join(timeout=5, learner=self.learner)

@@ -14,31 +14,34 @@ log = logging.getLogger(__name__)
 class PeerGuard:
     """Penalties and temporary bans by peer id.
 
-    A peer is banned at time t for ban_seconds when it has ban_after penalties in (t - ban_window, t].
+    A peer is banned at time t for ban_seconds when its penalties in (t - ban_window, t] weigh ban_after.
     Memory is bounded: only peers with recent penalties or a live ban are remembered.
     """
 
     def __init__(self, ban_after: int, ban_window: float, ban_seconds: float) -> None:
         self.ban_after, self.ban_window, self.ban_seconds = ban_after, ban_window, ban_seconds
-        self._penalties: dict[str, list[float]] = {}
+        self._penalties: dict[str, list[tuple[float, float]]] = {}  # peer -> (when, weight)
         self._banned_until: dict[str, float] = {}
         self.counts: dict[str, int] = {}  # reason -> penalties given, for status and tests
         self.bans = 0
         self._lock = threading.Lock()
 
-    def penalise(self, peer: str, reason: str) -> None:
+    def penalise(self, peer: str, reason: str, weight: float = 1.0) -> None:
+        """Count an offence of `weight` penalties (less than 1 for one an honest peer can commit by
+        accident, a few times, such as a request to a learner that restarted and forgot it)."""
         now = time.monotonic()
         with self._lock:
             self.counts[reason] = self.counts.get(reason, 0) + 1
-            recent = [t for t in self._penalties.get(peer, []) if t > now - self.ban_window] + [now]
+            recent = [(t, w) for t, w in self._penalties.get(peer, []) if t > now - self.ban_window] + [(now, weight)]
             self._penalties[peer] = recent
-            if len(recent) >= self.ban_after and not self._banned_locked(peer, now):
+            total = sum(w for _, w in recent)
+            if total >= self.ban_after - 1e-9 and not self._banned_locked(peer, now):
                 self._banned_until[peer] = now + self.ban_seconds
                 self.bans += 1
-                log.warning("peer %s banned for %.0fs after %d penalties (last: %s)", peer[-8:], self.ban_seconds,
+                log.warning("peer %s banned for %.0fs after %d offences (last: %s)", peer[-8:], self.ban_seconds,
                             len(recent), reason)  # fmt: skip
             if len(self._penalties) > 10_000:  # forget peers whose penalties are old
-                for p in [p for p, ts in self._penalties.items() if ts[-1] <= now - self.ban_window]:
+                for p in [p for p, ts in self._penalties.items() if ts[-1][0] <= now - self.ban_window]:
                     del self._penalties[p]
 
     def banned(self, peer: str) -> bool:

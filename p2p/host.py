@@ -42,6 +42,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.utils.address_validation import expand_wildcard_address
 
 from p2p.guard import PeerGuard, TokenBucket
 from p2p.identity import peer_id_of
@@ -66,6 +67,10 @@ use_nonblocking_yamux()
 logging.getLogger("libp2p").propagate = True
 
 Handler = Callable[[str, dict[str, Any]], dict[str, Any]]
+# a request without authorization weighs a tenth of a penalty: a worker of a learner that restarted sends a
+# few (heartbeat, have-maps, claims) before it authenticates again, and must not be banned for them
+UNAUTHORIZED_WEIGHT = 0.1
+CLEANUP_TIMEOUT = 5.0  # seconds closing or resetting a stream may take (a dead link must not hold the caller)
 
 
 class PeerUnavailable(Exception):
@@ -191,7 +196,7 @@ class Host:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self._token = trio.lowlevel.current_trio_token()
-                self.addrs = [f"{a}" if "/p2p/" in str(a) else f"{a}/p2p/{self.peer_id}" for a in host.get_addrs()]
+                self.addrs = [f"{a}/p2p/{self.peer_id}" for a in _concrete(host.get_addrs())]
                 self._ready.set()
                 await self._stop.wait()
                 nursery.cancel_scope.cancel()
@@ -276,9 +281,13 @@ class Host:
         """Peer ids with an open connection (read in the trio thread: the table changes there)."""
         return self._run_sync(lambda: [p.to_base58() for p in self._host.get_network().connections])
 
-    def request(self, peer: str, protocol: str, message: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+    def request(
+        self, peer: str, protocol: str, message: dict[str, Any], timeout: float = 30.0, min_rate: float | None = None
+    ) -> dict[str, Any]:
         """Send one frame to `peer` (a peer id we are connected to, or a full multiaddr) and return its reply.
 
+        `timeout` bounds the whole exchange; with `min_rate` (bytes/s) a long reply whose header came in time
+        may take longer, as long as its body arrives at that rate at least (a chunk from a slow uplink).
         Raises PeerUnavailable (retryable) or RemoteError (the peer refused).
         """
         if peer.startswith("/"):
@@ -286,14 +295,22 @@ class Host:
         frame = encode_frame(message)
 
         async def call() -> dict[str, Any]:
-            with trio.fail_after(timeout):
-                stream = await self._host.new_stream(ID.from_base58(peer), [TProtocol(protocol)])
-                try:
+            stream = None
+            try:
+                with trio.fail_after(timeout) as scope:
+                    stream = await self._host.new_stream(ID.from_base58(peer), [TProtocol(protocol)])
                     await self._write(stream, frame)
-                    reply = await self._read(stream)
-                finally:
-                    await _close_quietly(stream)
-                return reply
+                    reply = await self._read(stream, scope if min_rate else None, min_rate or 0.0)
+            except BaseException:
+                # reset, shielded: this runs in the scope that timed out (or was cancelled), where an
+                # unshielded clean-up is cancelled too and the stream keeps one of the connection's slots
+                if stream is not None:
+                    with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_TIMEOUT):
+                        await _reset_quietly(stream)
+                raise
+            with trio.move_on_after(CLEANUP_TIMEOUT):
+                await _close_quietly(stream)
+            return reply
 
         try:
             reply = self._run(call)
@@ -344,7 +361,7 @@ class Host:
                     await _reset_quietly(stream)
                     return
                 if guarded and self.gate is not None and not self.gate(peer):
-                    self.guard.penalise(peer, "unauthorized")
+                    self.guard.penalise(peer, "unauthorized", UNAUTHORIZED_WEIGHT)
                     await self._write(
                         stream, encode_frame({"error": f"{protocol}: not authorized", "unauthorized": True})
                     )
@@ -411,9 +428,12 @@ class Host:
             await self._up.take(len(piece))
             await stream.write(piece)
 
-    async def _read(self, stream: Any) -> dict[str, Any]:
-        """A reply to our own request (from a peer we chose to ask): the host's max_frame bounds it."""
+    async def _read(self, stream: Any, scope: trio.CancelScope | None = None, min_rate: float = 0.0) -> dict[str, Any]:
+        """A reply to our own request (from a peer we chose to ask): the host's max_frame bounds it. With
+        `scope`, its deadline is pushed back to give the body length / min_rate seconds once the header is in."""
         length, flags = parse_header(await self._read_exactly(stream, HEADER.size), self.config.max_frame)
+        if scope is not None:
+            scope.deadline = max(scope.deadline, trio.current_time() + length / min_rate)
         body = await self._read_exactly(stream, length)
         return await trio.to_thread.run_sync(decode_body, body, flags, FrameLimits(max_bytes=self.config.max_frame))
 
@@ -429,6 +449,18 @@ class Host:
             parts.append(data)
             got += len(data)
         return b"".join(parts)
+
+
+def _concrete(addrs: list[Any]) -> list[str]:
+    """Listen addresses without /p2p/, a wildcard (0.0.0.0, ::) replaced by this machine's interface
+    addresses (py-libp2p's expand_wildcard_address): a peer can dial those, not 0.0.0.0."""
+    out = []
+    for addr in addrs:
+        bare = multiaddr.Multiaddr(str(addr).split("/p2p/")[0])
+        wildcard = str(bare).startswith(("/ip4/0.0.0.0/", "/ip6/::/"))
+        found = [str(a) for a in expand_wildcard_address(bare)] if wildcard else [str(bare)]
+        out += found or [str(bare).replace("/ip4/0.0.0.0/", "/ip4/127.0.0.1/")]  # only loopback is up
+    return list(dict.fromkeys(out))
 
 
 def _stopped(exc: BaseException) -> bool:

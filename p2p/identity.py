@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
+from typing import IO
 
 from libp2p.crypto.ed25519 import Ed25519PrivateKey
 from libp2p.peer.id import ID
 
+from p2p.config import ConfigError
 
-class IdentityError(ValueError):
-    """An identity file that cannot be used."""
+
+class IdentityError(ConfigError):
+    """An identity file that cannot be used (or is in use)."""
 
 
 def load_identity(path: str | Path) -> Ed25519PrivateKey:
@@ -32,6 +36,29 @@ def load_identity(path: str | Path) -> Ed25519PrivateKey:
         f.write(key.to_bytes())
     os.replace(tmp, path)
     return key
+
+
+def hold_identity(path: str | Path) -> IO:
+    """Hold `path`.lock exclusively for as long as the returned file stays open (the process's life): two
+    processes on one identity would be one peer to the swarm, and the second would fight the first over
+    its store. IdentityError if another process holds it."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(path.with_name(path.name + ".lock"), "a+")  # noqa: SIM115 - held open on purpose
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise IdentityError(
+            f"identity {path} is in use by another worker on this machine (pid {holder}): give this one its own "
+            "with --name NAME (or --gpu N)"
+        ) from None
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
 
 
 def peer_id_of(key: Ed25519PrivateKey) -> str:

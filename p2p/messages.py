@@ -404,9 +404,9 @@ def _map(msg: object, key: str) -> dict:
     return msg
 
 
-# the worker protocol's version: 3 sends a spec's vocabulary zstd-compressed, 2 added model families
-# (ModelSpec.hf_config), 1 had no number
-PROTOCOL = 3
+# the worker protocol's version: 4 fetches a version's chunks from the learner by claims (the learner picks
+# which), 3 sends a spec's vocabulary zstd-compressed, 2 added model families (ModelSpec.hf_config), 1 had none
+PROTOCOL = 4
 UPGRADE = "pip install -U echo-rl, or git pull && ./scripts/setup.sh in a checkout"
 
 

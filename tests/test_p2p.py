@@ -17,7 +17,7 @@ from libp2p.stream_muxer import muxer_multistream
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
 import p2p.broadcast
-from p2p.broadcast import CHUNK, BroadcastPeer, ChunkServer, ChunkStore, Seeder, VersionDropped
+from p2p.broadcast import CHUNK, BroadcastPeer, ChunkServer, ChunkStore, Seeder, VersionDropped, bitmap
 from p2p.codec import CodecError, bf16_bits, bf16_to_f32, chunk_size_for, split_chunks
 from p2p.host import (
     BadRequest,
@@ -159,6 +159,30 @@ def test_a_yamux_read_loop_never_waits_to_write():
     assert _replies_across_lockstep_muxers(Yamux) == 0  # the deadlock, as py-libp2p 0.8.1 has it
     assert _replies_across_lockstep_muxers(NonBlockingYamux) == 8
     assert muxer_multistream.Yamux is NonBlockingYamux  # what every host's connections use
+
+
+def open_streams(host: Host, peer: str) -> int:
+    """Yamux streams `host` holds open to `peer` (read in its network thread)."""
+    conns = lambda: host._host.get_network().get_connections(ID.from_base58(peer))  # noqa: E731
+    return host._run_sync(lambda: sum(len(c.muxed_conn.streams) for c in conns()))
+
+
+def test_a_request_that_times_out_leaves_no_stream_open(hosts):
+    """A timed-out request resets its stream even though the clean-up runs in the cancelled call: before,
+    each timeout kept one of the connection's stream slots for good (a flaky link then blocked for ever)."""
+    server, client = hosts(), hosts()
+    release = threading.Event()
+    server.handle("/slow/1", lambda peer, msg: release.wait(10) and {})
+    client.connect(server.addrs[0])
+    for _ in range(5):
+        with pytest.raises(PeerUnavailable, match="timed out"):
+            client.request(server.peer_id, "/slow/1", {}, timeout=0.3)
+    release.set()
+    deadline = time.monotonic() + 10
+    while open_streams(client, server.peer_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert open_streams(client, server.peer_id) == 0 and open_streams(server, client.peer_id) == 0
+    assert client.request(server.peer_id, "/slow/1", {}, timeout=5) == {}  # the connection still serves
 
 
 def test_hosts_dial_only_whom_they_choose(hosts):
@@ -357,10 +381,9 @@ def test_three_peers_fetch_by_peer_assisted_broadcast(hosts):
     assert sum(p.stats["from_peers"] for p in peers) > 0  # peers really served each other
 
 
-def test_a_peer_that_skips_a_version_does_not_hold_up_the_others(hosts, monkeypatch):
-    """A pipelined worker fetches the newest version and may skip the one a peer fetches: once it has said
-    so (twice), the peer takes its share of the chunks from the learner instead of waiting on it."""
-    monkeypatch.setattr(p2p.broadcast, "OWNER_GRACE", 1e6)  # without the answers the fetch would wait forever
+def test_a_peer_that_skips_a_version_does_not_hold_up_the_others(hosts):
+    """A pipelined worker fetches the newest version and may skip the one a peer fetches: the peer that
+    fetches it claims every chunk from the learner, which sends each once."""
     learner = hosts()
     pv, raw = random_version(learner.key, learner.peer_id, mb=4)
     seeder = Seeder(learner, ChunkStore())
@@ -370,7 +393,70 @@ def test_a_peer_that_skips_a_version_does_not_hold_up_the_others(hosts, monkeypa
     assert skipping.host.peer_id in fetching.peers
     m = fetching.fetch_manifest()
     assert rebuild_raw(m, fetching.fetch(m, timeout=60)) == raw
-    assert fetching.stats["from_learner"] == len(m.chunks)  # all of it, the skipping peer's share too
+    assert fetching.stats["from_learner"] == len(m.chunks) and seeder.copies_sent(m.version) == [1] * len(m.chunks)
+
+
+def test_the_learner_answers_claims_once_per_chunk_and_per_peer_and_refuses_bad_ones(hosts):
+    """Seeder._on_claim: every chunk once before any twice; a copy only COPY_AFTER seconds after the last;
+    a chunk the asker can get from no peer of its own first; never the same chunk twice to one peer unless
+    it says its claim failed; hostile claims refused with a penalty."""
+    learner, first, second = hosts(), hosts(), hosts()
+    pv, _ = random_version(learner.key, learner.peer_id, mb=2)
+    clock = [0.0]
+    seeder = Seeder(learner, ChunkStore(), clock=lambda: clock[0])
+    seeder.publish(pv)
+    n, claim = len(pv.chunks), {"version": pv.manifest.version, "run_id": pv.manifest.run_id, "full": True}
+    every, hard = bitmap(set(range(n)), n), bitmap({n - 1}, n)
+
+    def ask(host, **extra):
+        return host.request(learner.addrs[0], CHUNK, {**claim, "want": every, **extra})
+
+    got = [ask(first) for _ in range(n)]
+    assert sorted(r["index"] for r in got) == list(range(n)) and all(r["data"] == pv.chunks[r["index"]] for r in got)
+    assert ask(first) == {"index": None}  # given to it already
+    assert ask(second) == {"index": None}  # each just went out: its holder will show it
+    clock[0] += p2p.broadcast.COPY_AFTER
+    assert ask(second, hard=hard)["index"] == n - 1  # the one it can get from nobody it reaches, first
+    assert ask(second)["index"] != n - 1
+    assert ask(first, again=True)["index"] != n - 1  # its claims failed: it may have them again
+    assert sum(seeder.copies_sent(pv.manifest.version)) == n + 3
+    assert ask(second, version=99) == {"gone": True}
+    for bad in ({"want": "all"}, {"hard": 3}, {"want": every[:-1]}, {"version": "1"}):
+        with pytest.raises(RemoteError, match="claim"):
+            ask(second, **bad)
+    assert learner.guard.counts["misbehaviour"] == 4
+
+
+def test_no_chunk_waits_on_a_peer_nobody_can_reach(hosts, monkeypatch):
+    """Four peers with inconsistent views of the swarm, as when two workers behind NAT cannot dial each
+    other: a and b see only c and d, c and d see everyone. Every chunk held only by a peer someone cannot
+    reach comes to it from the learner: all finish (before claims, each peer took the learner's chunks i with
+    i % k equal to its rank in its own view, and with these views some chunks were nobody's: a deadlock)."""
+    learner = hosts()
+    pv, raw = random_version(learner.key, learner.peer_id, mb=6)
+    seeder = Seeder(learner, ChunkStore())
+    seeder.publish(pv)
+    a, b, c, d = (BroadcastPeer(hosts(), ChunkStore(), learner.addrs[0]) for _ in range(4))
+
+    def never_dial(peer: BroadcastPeer, blocked: str) -> None:
+        real = peer._should_dial
+        monkeypatch.setattr(peer, "_should_dial", lambda p, now: p != blocked and real(p, now))
+
+    never_dial(a, b.host.peer_id)
+    never_dial(b, a.host.peer_id)
+    join_swarm(seeder, a, b, c, d)
+    assert b.host.peer_id not in a.peers and a.host.peer_id not in b.peers and len(c.peers) == len(d.peers) == 3
+    results = {}
+
+    def fetch(p):
+        m = p.fetch_manifest()
+        results[p.host.peer_id] = rebuild_raw(m, p.fetch(m, timeout=60))
+
+    threads = [threading.Thread(target=fetch, args=(p,)) for p in (a, b, c, d)]
+    [t.start() for t in threads]
+    [t.join(90) for t in threads]
+    assert len(results) == 4 and all(r == raw for r in results.values())
+    assert min(seeder.copies_sent(pv.manifest.version)) >= 1 and sum(p.stats["from_peers"] for p in (a, b, c, d)) > 0
 
 
 def test_a_version_the_learner_dropped_is_dropped_by_the_fetching_peer(hosts):

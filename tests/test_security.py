@@ -71,6 +71,31 @@ def test_penalties_ban_a_peer_for_a_while_and_are_forgotten():
     assert guard.counts == {"bad frame": 2, "misbehaviour": 1}
 
 
+def test_a_worker_of_a_restarted_learner_is_not_banned_for_its_requests_before_it_authenticates():
+    """A learner with a swarm secret restarts and forgets who authenticated: the worker's heartbeat, have-map
+    trades and claims are refused until it authenticates again. Each weighs a tenth of a penalty (before:
+    one each, and five meant a 120 s ban); fifty in the ban window still ban a peer that only pesters."""
+    from p2p.host import UNAUTHORIZED_WEIGHT, Host, Unauthorized
+
+    learner, worker = Host().start(), Host().start()
+    try:
+        learner.gate = lambda peer: False  # nobody has authenticated with this run of the learner
+        learner.handle("/echo/test/1", lambda peer, msg: {"ok": True})
+        for _ in range(20):
+            with pytest.raises(Unauthorized):
+                worker.request(learner.addrs[0], "/echo/test/1", {})
+        assert not learner.guard.banned(worker.peer_id) and learner.guard.counts == {"unauthorized": 20}
+        learner.gate = lambda peer: True  # it authenticated
+        assert worker.request(learner.peer_id, "/echo/test/1", {}) == {"ok": True}
+    finally:
+        worker.stop()
+        learner.stop()
+    guard = PeerGuard(ban_after=5, ban_window=60, ban_seconds=60)
+    for _ in range(round(5 / UNAUTHORIZED_WEIGHT)):
+        guard.penalise(OTHER, "unauthorized", UNAUTHORIZED_WEIGHT)
+    assert guard.banned(OTHER)
+
+
 def group(group_id: int, version: int, worker: str = WORKER) -> ScoredGroup:
     return ScoredGroup(group_id, version, worker, [Rollout([1, 2], [3, 4], [-0.5, -0.25], 1.0, 0.5, version)])
 

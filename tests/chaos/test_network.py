@@ -8,9 +8,8 @@ import threading
 
 from libp2p.crypto.ed25519 import Ed25519PrivateKey
 
-from p2p.broadcast import MANIFEST, ChunkServer, ChunkStore
+from p2p.broadcast import HAVE, MANIFEST, ChunkServer, ChunkStore, bitmap
 from p2p.host import PeerUnavailable, RemoteError
-from p2p.identity import load_identity, peer_id_of
 from p2p.manifest import Manifest
 from tests.chaos.hostile import hostile_host
 from tests.chaos.test_kills import steps_done, wait_for
@@ -29,26 +28,31 @@ class CorruptingStore(ChunkStore):
 
 
 def test_a_peer_serving_corrupted_chunks_is_penalised_and_avoided(swarm):
-    learner = swarm.learner("--steps", "100000")
+    # the liar advertises every chunk of each new version to the workers it is connected to, over and over,
+    # as an attacker that wants to be asked would; the learner's uplink is slow, so a worker waiting on its
+    # claim asks the liar too (p2p.broadcast: chunks some peer holds are asked of peers as well)
+    learner = swarm.learner("--steps", "100000", "--upload-bps", "30000")
     lid = swarm.addr.rsplit("/p2p/", 1)[-1]
-    # the liar ranks first among the two peers: the learner's first copy of a 1-chunk version is its share,
-    # so the worker asks the liar for it (design of p2p.broadcast: each chunk leaves the learner once)
-    worker_id = peer_id_of(load_identity(swarm.tmp / "w1.key"))
-    key = next(k for k in iter(Ed25519PrivateKey.new, None) if peer_id_of(k) < worker_id)
-    evil = hostile_host(key)
+    evil = hostile_host(Ed25519PrivateKey.new())
     stop = threading.Event()
     store = CorruptingStore()
     ChunkServer(evil, store)
 
-    def follow_manifests() -> None:  # learn every new version, so as to claim it
+    def advertise() -> None:  # learn every new version, and say we hold all of it
         while not stop.is_set():
             try:
-                store.add_manifest(Manifest.from_dict(evil.request(lid, MANIFEST, {}, timeout=5)["manifest"]))
+                m = Manifest.from_dict(evil.request(lid, MANIFEST, {}, timeout=5)["manifest"])
+                store.add_manifest(m)
+                have = {"version": m.version, "have": bitmap(set(range(len(m.chunks))), len(m.chunks)),
+                        "run_id": m.run_id, "full": m.base_version is None}  # fmt: skip
+                for peer in evil.connected_peers():
+                    if peer != lid:
+                        evil.request(peer, HAVE, have, timeout=5)
             except (PeerUnavailable, RemoteError):
                 pass
             stop.wait(0.1)
 
-    threading.Thread(target=follow_manifests, daemon=True).start()
+    threading.Thread(target=advertise, daemon=True).start()
     try:
         evil.request(swarm.addr, "/echo/join/1", {"addrs": evil.addrs})  # the learner tells workers about us
         worker = swarm.worker("w1", "--max-groups", "1", "-v")
