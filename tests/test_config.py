@@ -63,3 +63,28 @@ def test_key_values():
     assert parse_key_values(["a=1", "b=x", "c=0.5", "d=true"], "--task-args") == {"a": 1, "b": "x", "c": 0.5, "d": True}
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         parse_key_values(["oops"], "--task-args")
+
+
+def test_workers_on_one_machine_get_their_own_identity_and_store_and_share_none(tmp_path):
+    """--gpu N (or --name) gives a worker its own identity and work dir by default; two processes on one
+    identity would be one peer to the swarm and fight over one store, so the second is refused in one line."""
+    from p2p.identity import IdentityError, hold_identity
+    from worker.config import WorkerRootConfig
+
+    learner = "/ip4/10.0.0.1/tcp/4001/p2p/12D3KooWExample"
+    worker = lambda **flags: load_config(WorkerRootConfig, None, {"learner": learner, **flags}).worker  # noqa: E731
+    plain, gpu1, named = worker(), worker(gpu="1"), worker(name="laptop", work_dir=str(tmp_path))
+    assert plain.listen == "/ip4/0.0.0.0/tcp/0"  # reachable on a real network without a flag
+    assert gpu1.name == "gpu1" and gpu1.identity.endswith("worker-gpu1.key") and gpu1.work_dir.endswith("worker-gpu1")
+    assert named.identity.endswith("worker-laptop.key") and named.work_dir == str(tmp_path)  # given: kept
+    assert len({plain.identity, gpu1.identity, named.identity}) == 3
+    for bad, message in [({"name": "a/b"}, "worker.name"), ({"gpu": "-2"}, "worker.gpu"),
+                         ({"announce": "1.2.3.4:4001"}, "worker.announce")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            worker(**bad)
+
+    held = hold_identity(tmp_path / "worker.key")
+    with pytest.raises(IdentityError, match=r"in use by another worker on this machine \(pid \d+\).*--name"):
+        hold_identity(tmp_path / "worker.key")
+    held.close()  # the first worker left: the identity is free again
+    hold_identity(tmp_path / "worker.key").close()

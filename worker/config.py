@@ -8,6 +8,9 @@ from typing import Literal
 
 from p2p.config import require
 
+DEFAULT_IDENTITY = "~/.config/echo-rl/worker.key"
+DEFAULT_WORK_DIR = "~/.cache/echo-rl/worker"
+
 
 @dataclass
 class WorkerConfig:
@@ -33,12 +36,18 @@ class WorkerConfig:
     """Seconds between heartbeats, each of which asks the learner for its newest version."""
     price: float = 0.0
     """What this machine costs, USD per hour (the learner's scheduler prefers cheap workers)."""
-    identity: str = "~/.config/echo-rl/worker.key"
-    """ed25519 identity file (created if missing)."""
-    work_dir: str = "~/.cache/echo-rl/worker"
+    name: str = ""
+    """This worker's name on this machine: its own identity and work dir (worker-NAME.key, worker-NAME)."""
+    gpu: int = -1
+    """GPU to run on (CUDA_VISIBLE_DEVICES=N; -1: whatever the environment says); names the worker gpuN."""
+    identity: str = DEFAULT_IDENTITY
+    """ed25519 identity file (created if missing); one worker process at a time may hold it."""
+    work_dir: str = DEFAULT_WORK_DIR
     """Where converted weights and spilled chunks go."""
-    listen: str = "/ip4/127.0.0.1/tcp/0"
-    """Multiaddr to listen on for other workers (peer-assisted broadcast)."""
+    listen: str = "/ip4/0.0.0.0/tcp/0"
+    """Multiaddr to listen on for other workers (0.0.0.0: every interface, each announced)."""
+    announce: str = ""
+    """Address to announce instead, e.g. a port forwarded on the router: /ip4/203.0.113.7/tcp/4001."""
     secret_file: str = ""
     """File holding the swarm secret, if the learner requires one."""
     allow_env: str = ""
@@ -56,6 +65,19 @@ class WorkerConfig:
         require(0.05 <= self.poll_s <= 60, "worker.poll_s", f"must be within [0.05, 60] seconds, got {self.poll_s}")
         require(self.price >= 0, "worker.price", "must be >= 0")
         require(self.listen.startswith("/"), "worker.listen", "must be a multiaddr")
+        announce_ok = re.fullmatch(r"/(ip4|ip6|dns|dns4|dns6)/[^/]+/tcp/[1-9]\d*(/p2p/\w+)?", self.announce)
+        require(not self.announce or announce_ok is not None, "worker.announce",
+                f"must be /ip4/HOST/tcp/PORT, got {self.announce!r}")  # fmt: skip
+        require(self.gpu >= -1, "worker.gpu", f"must be a GPU index (0, 1, ...) or -1, got {self.gpu}")
+        require(re.fullmatch(r"[A-Za-z0-9_.-]{0,32}", self.name) is not None, "worker.name",
+                f"must be up to 32 letters, digits, '_', '.' or '-', got {self.name!r}")  # fmt: skip
+        # defaults that follow from the name: workers on one machine each get their own identity and store
+        if self.gpu >= 0 and not self.name:
+            self.name = f"gpu{self.gpu}"
+        if self.name and self.identity == DEFAULT_IDENTITY:
+            self.identity = f"~/.config/echo-rl/worker-{self.name}.key"
+        if self.name and self.work_dir == DEFAULT_WORK_DIR:
+            self.work_dir = f"~/.cache/echo-rl/worker-{self.name}"
 
 
 @dataclass

@@ -15,6 +15,7 @@ SIGINT/SIGTERM let the current lease finish and be pushed, then the worker leave
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
@@ -31,7 +32,7 @@ from p2p.auth import authenticate, read_secret
 from p2p.broadcast import BroadcastPeer, ChunkStore
 from p2p.config import ConfigError
 from p2p.host import Host, HostConfig, PeerUnavailable, RemoteError, RemoteFailure, Unauthorized
-from p2p.identity import load_identity
+from p2p.identity import hold_identity, load_identity
 from p2p.messages import (
     HEARTBEAT,
     LEASE,
@@ -88,6 +89,8 @@ class WorkerDaemon:
         }
         self.state = "starting"  # what the worker is doing now, for the live view
         self.secret = read_secret(cfg.secret_file) if cfg.secret_file else None
+        if cfg.gpu >= 0:  # before any engine starts CUDA: llama.cpp and torch read it when they do
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(cfg.gpu)
 
     def install_signal_handlers(self) -> None:
         def leave(signum: int, frame: object) -> None:
@@ -100,6 +103,7 @@ class WorkerDaemon:
     def run(self) -> None:
         cfg = self.cfg
         work_dir = Path(cfg.work_dir).expanduser()
+        self._identity_lock = hold_identity(cfg.identity)  # one worker process per identity (and store)
         self.host = Host(load_identity(cfg.identity), HostConfig(listen=[cfg.listen])).start()
         log.info("worker %s listening on %s", self.host.peer_id, self.host.addrs[0])
         store = ChunkStore(spill_dir=work_dir / "chunks", persist=True)
@@ -107,7 +111,7 @@ class WorkerDaemon:
         if found["versions"]:
             log.info("store: %d versions, %d chunks kept, %d corrupt or truncated chunks deleted (fetched again)",
                      found["versions"], found["chunks"], found["corrupt"])  # fmt: skip
-        self.peer = BroadcastPeer(self.host, store, cfg.learner)
+        self.peer = BroadcastPeer(self.host, store, cfg.learner, announce=[cfg.announce] if cfg.announce else None)
         self.engine = make_engine(
             cfg.engine, work_dir / "engine", cfg.threads, cfg.max_batch, cfg.gpu_layers, cfg.device
         )
@@ -144,6 +148,7 @@ class WorkerDaemon:
                 self.fetcher.stop()
             self.host.stop()
             self.peer.close()  # after the host: the dials under way fail at once
+            self._identity_lock.close()
             stats = self.peer.stats
             log.info(
                 "worker left after %d leases; fetched %.1f MB from the learner and %.1f MB from peers, "
@@ -244,7 +249,7 @@ class WorkerDaemon:
         version, requests = self.version, lease.requests
         log.debug("lease %d: %d groups on v%d", lease.id, len(requests), version)
         self.state = f"generating lease {lease.id} ({len(requests)} groups) on v{version}"
-        tick = time.perf_counter()
+        tick, leased_at = time.perf_counter(), time.monotonic()
         if any(r.episode is not None for r in requests):  # an environment's groups: episodes, turn by turn
             if self.episodes is None:
                 raise MessageError("a lease of episodes from a run that named no environment")
@@ -261,12 +266,34 @@ class WorkerDaemon:
         payload = RolloutSubmission(
             lease.id, version, [GroupSubmission(r.group, cs) for r, cs in zip(requests, groups, strict=True)]
         ).to_wire()
-        try:
-            reply = RolloutReply.from_wire(self._request(ROLLOUT, payload, timeout=60))
-            self.leases_done += 1
-            log.debug("lease %d accepted: %d groups", lease.id, reply.accepted)
-        except RemoteError as exc:  # e.g. the lease expired while we generated: the work is discarded
-            log.warning("rollouts refused: %s", exc)
+        self._push(lease.id, payload, leased_at + lease.deadline_s)
+
+    def _push(self, lease_id: int, payload: dict, deadline: float) -> None:
+        """Send a lease's rollouts until the learner answers or the lease ends (time.monotonic() > deadline):
+        a cut link or a learner restarting is retried, authenticating again if it asks (a resend of rollouts
+        it took gets the same reply: learner.orchestrate.intake); a refusal drops them."""
+        wait = 1.0
+        while True:
+            try:
+                reply = RolloutReply.from_wire(self._request(ROLLOUT, payload, timeout=60))
+                self.leases_done += 1
+                log.debug("lease %d accepted: %d groups", lease_id, reply.accepted)
+                return
+            except Unauthorized:  # the learner restarted and forgot us (its journal kept our lease)
+                retry = "not authorized"
+                with contextlib.suppress(PeerUnavailable, RemoteError):
+                    authenticate(self.host, self.cfg.learner, self.secret)
+            except PeerUnavailable as exc:
+                retry = str(exc)
+            except RemoteError as exc:  # e.g. the lease expired while we generated: the work is discarded
+                log.warning("rollouts refused: %s", exc)
+                return
+            if self.stop.is_set() or time.monotonic() + wait > deadline:
+                log.warning("lease %d: rollouts not delivered before the lease ended (%s); dropped", lease_id, retry)
+                return
+            log.info("lease %d: rollouts not delivered (%s); sending again in %.0fs", lease_id, retry, wait)
+            self.stop.wait(wait)
+            wait = min(wait * 2, 10.0)
 
 
 def episode_rules(env: dict, allowed: str) -> EpisodeRules:

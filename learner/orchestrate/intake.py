@@ -1,6 +1,7 @@
 """Rollout intake: one submission from the wire to the replay buffer.
 
     validate (p2p.messages.RolloutSubmission: schema, counts, token ids, lengths, logprob range)
+    -> a resend of a submission taken (the worker lost our reply)? the same reply again, nothing counted
     -> close the lease (a replay, even a concurrent one, is a duplicate before any work is done)
     -> check against the lease (its groups in order, a version it may use)
     -> verify the groups chosen for checking (learner.orchestrate.verify; a mismatch flags the worker)
@@ -16,6 +17,7 @@ import logging
 import random
 import threading
 import time
+from collections import OrderedDict
 
 from envs.episode import ReplayError
 from learner.config import LearnerConfig
@@ -35,6 +37,8 @@ from learner.train.models import Policy
 from p2p.host import BadRequest, Misbehaviour
 from p2p.messages import GenerationRequest, MessageError, RolloutReply, RolloutSubmission
 from p2p.wire import FrameLimits
+
+ANSWERED_KEPT = 1024  # replies to submissions kept, so that a worker's resend gets the same answer
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,9 @@ class RolloutIntake:
         self.tokens_accepted = 0  # sampled tokens of all accepted rollouts: mean length turns tokens/s to rollouts/s
         self.episodes = episode_rules(prompts.task)  # a multi-turn environment's rules, or None
         self._lock = threading.Lock()
+        # lease -> (worker, our reply) of the last ANSWERED_KEPT submissions taken: a worker that lost our reply
+        # (a cut link) sends its rollouts again, and gets the same answer with nothing counted twice
+        self._answered: OrderedDict[int, tuple[str, RolloutReply]] = OrderedDict()
 
     def submit(self, worker: WorkerRecord, msg: dict) -> RolloutReply:
         arrived = time.monotonic()  # the worker's lease time ends here, not after our own checks
@@ -99,18 +106,27 @@ class RolloutIntake:
             raise
         if peer in self.verifier.flagged:
             raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
+        with self._lock:
+            answered = self._answered.get(submission.lease)
+        if answered is not None and answered[0] == peer:
+            return answered[1]
         try:  # closing the lease first makes a replay, even a concurrent one, a duplicate before any work
             lease = self.leases.complete(submission.lease, peer)
         except LeaseError as exc:  # a replay or someone else's lease is an offence; a late one is not
             worker.refused += 1
             raise (Misbehaviour if exc.reason in ("duplicate", "not_owner") else BadRequest)(str(exc)) from None
         try:
-            return self._take(worker, lease, submission, arrived)
+            reply = self._take(worker, lease, submission, arrived)
         except BaseException as exc:  # refused, or our own failure (a full disk): its prompts go out again
             if isinstance(exc, BadRequest):
                 worker.refused += 1
             self.leases.release(lease)
             raise
+        with self._lock:
+            self._answered[lease.lease_id] = (peer, reply)
+            while len(self._answered) > ANSWERED_KEPT:
+                self._answered.popitem(last=False)
+        return reply
 
     def _take(self, worker: WorkerRecord, lease: Lease, submission: RolloutSubmission, arrived: float) -> RolloutReply:
         """Check, score, verify, journal and buffer a submission whose lease is closed. Scoring comes before the
