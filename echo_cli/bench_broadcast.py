@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Any
 
+from echo_cli.netlab import ROOT, Site, Wan
 from p2p.broadcast import UPLOAD_SLOTS
 
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
@@ -41,6 +42,7 @@ def node_main(argv: list[str]) -> None:
     p.add_argument("--mode", choices=["star", "swarm"], default="swarm")
     p.add_argument("--chunk-mib", type=float, default=0.0, help="chunk size (0: the learner's, codec.chunk_size_for)")
     p.add_argument("--upload-slots", type=int, default=UPLOAD_SLOTS, help="chunk replies sent at once (0: all)")
+    p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on")
     args = p.parse_args(argv)
 
     import logging
@@ -54,8 +56,9 @@ def node_main(argv: list[str]) -> None:
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     config = HostConfig(
-        upload_bps=args.up * MBIT if args.up else None, download_bps=args.down * MBIT if args.down else None
-    )
+        listen=[args.listen], upload_bps=args.up * MBIT if args.up else None,
+        download_bps=args.down * MBIT if args.down else None,
+    )  # fmt: skip
     key = new_identity()
     host = Host(key, config).start()
     say = lambda **kw: print(json.dumps(kw), flush=True)  # noqa: E731
@@ -103,16 +106,36 @@ def node_main(argv: list[str]) -> None:
     host.stop()
 
 
+def wan_sites(peers: int, rtt: tuple[float, float], nat: int, learner_up: float, peer_up: float,
+              peer_down: float | None, loss: float) -> list[Site]:  # fmt: skip
+    """The learner (site 0, 1 ms from the core) and `peers` sites whose round trips to it spread evenly over
+    `rtt` (ms); the last `nat` of them behind NAT routers. Rates in Mbit/s, as the benchmark's flags."""
+    sites = [Site(delay_ms=1.0, up=learner_up * MBIT)]
+    for k in range(peers):
+        ms = rtt[0] + (rtt[1] - rtt[0]) * k / max(peers - 1, 1)
+        down = peer_down * MBIT if peer_down else None
+        delay = max(ms / 2 - 1.0, 0.0)
+        sites.append(Site(delay_ms=delay, up=peer_up * MBIT, down=down, loss=loss, nat=k >= peers - nat))
+    return sites
+
+
 def run_broadcast_bench(
     peers: int, size_mb: float, learner_up: float, peer_up: float, peer_down: float | None, mode: str, chunk_mib: float,
-    upload_slots: int | None = None,
+    upload_slots: int | None = None, rtt: tuple[float, float] | None = None, nat: int = 0, loss: float = 0.0,
 ) -> dict[str, Any]:  # fmt: skip
-    """`chunk_mib` 0: the learner's own chunk size; `upload_slots` None: the nodes' own (0: all at once)."""
+    """`chunk_mib` 0: the learner's own chunk size; `upload_slots` None: the nodes' own (0: all at once).
+    With `rtt` (ms, lo and hi) every node runs on a site of an echo_cli.netlab.Wan whose links do the
+    rate caps, delays and `loss`, the last `nat` peers behind NAT routers; else on 127.0.0.1, capped by the
+    hosts' own token buckets."""
     node = [sys.executable, "-m", "echo_cli.bench_broadcast", "node"]
     procs: list[subprocess.Popen] = []
+    wan = Wan(wan_sites(peers, rtt, nat, learner_up, peer_up, peer_down, loss)) if rtt is not None else None
 
-    def spawn(args: list[str]) -> tuple[subprocess.Popen, dict]:
-        proc = subprocess.Popen(node + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def spawn(args: list[str], site: int) -> tuple[subprocess.Popen, dict]:
+        where = [*wan.exec_prefix(wan.ns[site])] if wan is not None else []
+        listen = ["--listen", f"/ip4/{wan.ip[site]}/tcp/0"] if wan is not None else []
+        proc = subprocess.Popen(where + node + args + listen, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                cwd=ROOT)  # fmt: skip
         procs.append(proc)
         line = proc.stdout.readline()
         if not line:
@@ -120,19 +143,22 @@ def run_broadcast_bench(
         return proc, json.loads(line)
 
     try:
-        caps = ["--down", str(peer_down)] if peer_down else []
+        caps = ["--down", str(peer_down)] if peer_down and wan is None else []
         upload_slots = UPLOAD_SLOTS if upload_slots is None else upload_slots
         slots = ["--upload-slots", str(upload_slots)]
-        seeder, info = spawn(
-            ["seeder", "--size-mb", str(size_mb), "--up", str(learner_up), "--chunk-mib", str(chunk_mib), *slots]
-        )
+        learner_cap = ["--up", str(learner_up)] if wan is None else []
+        seeder, info = spawn(["seeder", "--size-mb", str(size_mb), *learner_cap, "--chunk-mib", str(chunk_mib), *slots],
+                             0)  # fmt: skip
+        peer_cap = ["--up", str(peer_up)] if wan is None else []
         workers = [
-            spawn(["peer", "--learner", info["addr"], "--up", str(peer_up), "--mode", mode, *caps, *slots])[0]
-            for _ in range(peers)
+            spawn(["peer", "--learner", info["addr"], *peer_cap, "--mode", mode, *caps, *slots], k + 1)[0]
+            for k in range(peers)
         ]
-        for w in workers:  # peers connect to each other before the clock starts (joined swarm workers are)
-            w.stdin.write(f"connect {len(workers) - 1}\n")
-            w.stdin.flush()
+        behind_nat = [wan is not None and wan.sites[k + 1].nat for k in range(peers)]
+        public = behind_nat.count(False)
+        for w, hidden in zip(workers, behind_nat, strict=True):  # peers connect to the others they can reach
+            w.stdin.write(f"connect {public - (0 if hidden else 1)}\n")  # before the clock starts, as joined
+            w.stdin.flush()  # swarm workers are (nobody can dial a peer behind NAT)
         connected = [json.loads(w.stdout.readline() or "{}") for w in workers]
         start = time.perf_counter()
         for w in workers:
@@ -154,6 +180,8 @@ def run_broadcast_bench(
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if wan is not None:
+            wan.close()
 
     m = info["payload_bytes"]
     bound = t_min(m, learner_up * MBIT, peer_up * MBIT, peer_down * MBIT if peer_down else None, peers)
@@ -181,6 +209,9 @@ def run_broadcast_bench(
         "learner_uploads_per_chunk": round(learner_chunks / info["chunks"], 2),
         "last_learner_chunk_s": round(max(r["learner_done_s"] for r in results), 2),
         "per_peer_s": sorted(round(r["seconds"], 1) for r in results),
+        "rtt_to_learner_ms": [round(wan.rtt_ms(0, k + 1)) for k in range(peers)] if wan is not None else None,
+        "behind_nat": sum(behind_nat),
+        "loss": loss,
         "cpu_count": os.cpu_count(),
     }
 

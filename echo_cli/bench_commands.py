@@ -111,9 +111,15 @@ def bench_broadcast(
     mode: str = typer.Option("swarm", "--mode", help="swarm (peer-assisted) or star (learner to each peer)."),
     chunk_mib: float = typer.Option(0.0, "--chunk-mib", help="Chunk MiB, 0.25 to 4 (0: the learner's own)."),
     upload_slots: int | None = typer.Option(None, "--upload-slots", help="Chunk replies sent at once (0: all)."),
+    rtt: str = typer.Option("", "--rtt", help="LO-HI ms to the learner: run on emulated links (root)."),
+    nat: int = typer.Option(0, "--nat", help="With --rtt: peers behind NAT routers."),
+    loss: float = typer.Option(0.0, "--loss", help="With --rtt: share of packets lost on each link."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Seconds until N peer processes hold a verified version, against star and the bound T_min."""
+    """Seconds until N peer processes hold a verified version, against star and the bound T_min.
+
+    With --rtt the learner and each peer run in network namespaces, on links with those round trips and
+    the rate caps (echo_cli/netlab.py); else on 127.0.0.1 with token buckets."""
     from echo_cli.bench_broadcast import run_broadcast_bench
 
     if mode not in ("swarm", "star"):
@@ -124,7 +130,25 @@ def bench_broadcast(
         raise fail(f"--chunk-mib must be 0 (the learner's own) or 0.25 to 4, got {chunk_mib}")
     if upload_slots is not None and upload_slots < 0:
         raise fail(f"--upload-slots must be >= 0 (0: all at once), got {upload_slots}")
-    result = run_broadcast_bench(peers, size, learner_up, peer_up, peer_down or None, mode, chunk_mib, upload_slots)
+    span = None
+    if rtt:
+        from echo_cli.netlab import missing
+
+        try:
+            span = tuple(float(x) for x in rtt.split("-"))
+        except ValueError:
+            span = ()
+        if len(span) != 2 or not 0 <= span[0] <= span[1] <= 2000:
+            raise fail(f"--rtt must be LO-HI milliseconds, e.g. 40-160, got {rtt!r}")
+        if why := missing():
+            raise fail(f"--rtt needs network namespaces: {why}")
+    if not 0 <= nat <= peers or (nat and not rtt):
+        raise fail(f"--nat must be 0 to --peers ({peers}), and needs --rtt")
+    if not 0 <= loss < 0.5 or (loss and not rtt):
+        raise fail(f"--loss must be in [0, 0.5), and needs --rtt, got {loss}")
+    result = run_broadcast_bench(
+        peers, size, learner_up, peer_up, peer_down or None, mode, chunk_mib, upload_slots, span, nat, loss
+    )
     if json_out:
         print(json.dumps(result))
         return

@@ -86,7 +86,7 @@ CHUNK_TIMEOUT = 60.0  # seconds until a chunk reply starts; then its body may ta
 CHUNK_MIN_RATE = 32e3  # bytes/s: a 4 MiB chunk from a 1 Mbit/s uplink shared by UPLOAD_SLOTS replies arrives
 # seconds after a chunk went out before the learner sends it again: by then its holder has shown it in the
 # have-maps of the peers that can reach it, so a peer that still cannot find it needs it from the learner
-COPY_AFTER = 2.0
+COPY_AFTER = 4.0
 # seconds before the learner gives a peer a chunk it gave it already (sooner if the peer says a claim failed)
 REGIVE_AFTER = CHUNK_TIMEOUT + (4 << 20) / CHUNK_MIN_RATE
 # chunk replies a node sends at once; more wait their turn. A chunk can be relayed only once all of it has

@@ -40,9 +40,11 @@ from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.protocol_muxer.multiselect import MULTISELECT_PROTOCOL_ID as MULTISELECT
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.utils.address_validation import expand_wildcard_address
+from libp2p.utils.varint import encode_delim, read_varint_prefixed_bytes_limited
 
 from p2p.guard import PeerGuard, TokenBucket
 from p2p.identity import peer_id_of
@@ -87,6 +89,10 @@ class RemoteFailure(RemoteError):
 
 class Unauthorized(RemoteError):
     """The peer refused us because we are not authorized (authenticate again: it may have restarted)."""
+
+
+class UnsupportedProtocol(Exception):
+    """The far end of a stream does not speak the protocol we asked for (multistream-select said "na")."""
 
 
 class BadRequest(Exception):
@@ -298,8 +304,17 @@ class Host:
             stream = None
             try:
                 with trio.fail_after(timeout) as scope:
-                    stream = await self._host.new_stream(ID.from_base58(peer), [TProtocol(protocol)])
+                    stream = await self._host.get_network().new_stream(ID.from_base58(peer))
+                    # the request goes out with the protocol it is for, without waiting for multistream-select's
+                    # echoes (go-libp2p's lazy negotiation): one round trip, not three. The far end reads the
+                    # header, the protocol, then the request, in order; its echoes are checked before the reply
+                    await stream.write(encode_delim(MULTISELECT.encode()) + encode_delim(protocol.encode()))
                     await self._write(stream, frame)
+                    for expected in (MULTISELECT, protocol):
+                        echo = (await read_varint_prefixed_bytes_limited(stream, 1024)).decode("ascii", "replace")
+                        if echo != f"{expected}\n":
+                            raise UnsupportedProtocol(f"{peer[-8:]} answered {echo.strip()[:80]!r} to {expected}")
+                    stream.set_protocol(TProtocol(protocol))
                     reply = await self._read(stream, scope if min_rate else None, min_rate or 0.0)
             except BaseException:
                 # reset, shielded: this runs in the scope that timed out (or was cancelled), where an
@@ -318,6 +333,8 @@ class Host:
             raise
         except trio.TooSlowError:
             raise PeerUnavailable(f"{protocol} to {peer[-8:]} timed out after {timeout}s") from None
+        except UnsupportedProtocol as exc:
+            raise RemoteError(f"{protocol} is not served there: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - resets, dial errors, frame errors: all retryable elsewhere
             raise PeerUnavailable(f"{protocol} to {peer[-8:]} failed: {type(exc).__name__}: {exc}") from None
         if "error" in reply:
