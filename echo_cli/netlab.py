@@ -111,6 +111,11 @@ class Emulator:
             self.close()
             raise RuntimeError("the link emulator did not start")
 
+    def cut(self, seconds: float) -> None:
+        """Drop every packet on every link, both ways, for `seconds` from now (a cable pulled, a laptop asleep)."""
+        self.proc.stdin.write(f"cut {seconds}\n".encode())
+        self.proc.stdin.flush()
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.stdin.close()  # the emulator exits when its stdin closes; its TUN devices go with it
@@ -264,10 +269,11 @@ class Direction:
         self.line_free = 0.0  # when the last queued packet has been serialised
         self.limit = max(MIN_QUEUE, shape.rate * QUEUE_SECONDS)  # bytes waiting to be serialised, at most
         self.dropped = 0
+        self.cut_until = 0.0  # the link carries nothing before this time
 
     def take(self, packet: bytes, now: float) -> None:
         backlog = (self.line_free - now) * self.shape.rate  # bytes not yet serialised
-        if self.rng.random() < self.shape.loss or backlog > self.limit:
+        if now < self.cut_until or self.rng.random() < self.shape.loss or backlog > self.limit:
             self.dropped += 1
             return
         self.line_free = max(now, self.line_free) + len(packet) / self.shape.rate
@@ -301,8 +307,16 @@ def run_links(links: list[Link], seed: int) -> None:
         due = [t for d in towards.values() if (t := d.send_due(now)) is not None]
         timeout = max(0.0, min(due) - time.monotonic()) if due else None
         readable, _, _ = select.select([*towards, stdin], [], [], timeout)
-        if stdin in readable and not os.read(stdin, 4096):
-            return  # the test is done with us
+        if stdin in readable:
+            command = os.read(stdin, 4096)
+            if not command:
+                return  # the test is done with us
+            for line in command.decode().splitlines():  # "cut SECONDS": the links carry nothing for a while
+                if line.startswith("cut "):
+                    until = time.monotonic() + float(line.split()[1])
+                    for direction in towards.values():
+                        direction.cut_until = until
+                        direction.queue.clear()
         now = time.monotonic()
         for fd in readable:
             if fd == stdin:

@@ -10,6 +10,7 @@ dials the listed public worker out through the NAT and fetches chunks from it.""
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -96,3 +97,40 @@ def test_a_version_reaches_every_worker_when_two_behind_nat_cannot_dial_each_oth
     result = run_broadcast_bench(4, 8.0, 20.0, 20.0, None, "swarm", 0.0, rtt=(40.0, 160.0), nat=2)
     assert result["behind_nat"] == 2 and len(result["per_peer_s"]) == 4  # it raises unless all hold it verified
     assert result["rtt_to_learner_ms"] == [40, 80, 120, 160] and result["learner_uploads_per_chunk"] >= 1
+
+
+def test_a_home_worker_whose_link_is_cut_for_20_s_resumes_without_a_stack_trace(swarm, lab):
+    """#34 item 4: the home worker's link carries nothing for 20 s (a cable pulled, a router rebooting) while
+    the learner trains on with a public worker. Afterwards the home worker's rollouts are accepted again:
+    requests that timed out left no stream behind, its lease was completed or re-issued, and it logged what
+    happened in lines, not stack traces."""
+    inet, home = lab.exec_prefix(lab.inet), lab.exec_prefix(lab.home)
+    listen = f"/ip4/{netlab.INET_IP}/tcp/0"
+    learner = swarm.learner(
+        "--steps", "100000", "--listen", listen, "--prompts-per-step", "8", "--staleness", "4", "--no-autoscale",
+        within=inet,
+    )  # fmt: skip
+    public = swarm.worker("public", "--listen", listen, "--max-groups", "1", "--threads", "1", within=inet)
+    home_worker = swarm.worker(
+        "home", "--listen", f"/ip4/{netlab.HOME_IP}/tcp/0", "--max-groups", "1", "--threads", "1", "-v", within=home
+    )
+    procs = [("learner", learner), ("public", public), ("home", home_worker)]
+    home_id = peer_id_of(load_identity(swarm.tmp / "home.key"))
+
+    def accepted() -> int:
+        path = swarm.run_dir / "metrics.jsonl"
+        if not path.exists() or not path.read_text().strip():
+            return 0
+        return swarm.metrics()[-1]["workers"].get(home_id[-8:], {}).get("groups_accepted", 0)
+
+    wait_for(lambda: accepted() > 0, WAIT, "the home worker's first rollouts", procs)
+    lab.emulator.cut(20.0)
+    time.sleep(20.0)
+    before = accepted()
+    wait_for(lambda: accepted() >= before + 2, WAIT, "the home worker's rollouts after the cut", procs)
+    home_log, learner_log = swarm.log("home"), swarm.log("learner")
+    assert "timed out" in home_log  # the cut was felt: its requests during it timed out
+    assert "Traceback" not in home_log and "Traceback" not in learner_log
+    assert home_worker.poll() is None and learner.poll() is None
+    print("\n".join(line[:160] for line in home_log.splitlines() if "timed out" in line or "not delivered" in line
+                     or "unreachable" in line or "now on v" in line)[-3000:])  # fmt: skip
