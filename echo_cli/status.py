@@ -84,7 +84,8 @@ def render(doc: dict) -> Group:
         if not active:
             notes.append(f"{p['peer_id'][-8:]}: {p.get('activity', '')}")
         if p.get("addr") and p.get("listed") is False:
-            notes.append(f"{p['peer_id'][-8:]}: not reachable from the learner (behind a NAT?); peers cannot dial it")
+            seen = f", seen at {short_addr(p['observed'])}" if p.get("observed") else ""
+            notes.append(f"{p['peer_id'][-8:]}: behind a NAT (its address does not reach it{seen}); it dials out")
         if p.get("flagged"):
             notes.append(f"{p['peer_id'][-8:]} flagged: {p['flagged']}")
         peers.add_row(

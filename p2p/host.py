@@ -72,6 +72,7 @@ Handler = Callable[[str, dict[str, Any]], dict[str, Any]]
 # a request without authorization weighs a tenth of a penalty: a worker of a learner that restarted sends a
 # few (heartbeat, have-maps, claims) before it authenticates again, and must not be banned for them
 UNAUTHORIZED_WEIGHT = 0.1
+MAX_OBSERVED = 4096  # peers whose observed address a host remembers
 CLEANUP_TIMEOUT = 5.0  # seconds closing or resetting a stream may take (a dead link must not hold the caller)
 
 
@@ -147,6 +148,9 @@ class Host:
         self.gate: Callable[[str], bool] | None = None  # set: only peers it accepts reach guarded protocols
         self._request_watchers: list[Callable[[str], None]] = []  # told of each request past the gate
         self._open_streams: dict[str, int] = {}  # peer -> requests being read or answered (trio thread only)
+        # peer -> the address its last request came from: what we see of it, not what it says (a NAT's address
+        # for a worker behind one); the MAX_OBSERVED most recent peers
+        self.observed: dict[str, str] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -364,6 +368,7 @@ class Host:
             if self.guard.banned(peer) or self._open_streams.get(peer, 0) >= cfg.max_streams_per_peer:
                 await _reset_quietly(stream)
                 return
+            self._observe(peer, stream)
             self._open_streams[peer] = self._open_streams.get(peer, 0) + 1
             try:
                 try:
@@ -405,6 +410,17 @@ class Host:
                     self._open_streams.pop(peer, None)
 
         self._run_sync(self._host.set_stream_handler, TProtocol(protocol), on_stream)
+
+    def _observe(self, peer: str, stream: Any) -> None:
+        """Note the address a request of `peer` came from (in the trio thread)."""
+        try:
+            host, port = stream.get_remote_address()
+        except Exception:  # noqa: BLE001 - no address to see (another transport): nothing to note
+            return
+        self.observed.pop(peer, None)  # most recent last
+        self.observed[peer] = f"/{'ip6' if ':' in str(host) else 'ip4'}/{host}/tcp/{port}"
+        if len(self.observed) > MAX_OBSERVED:
+            self.observed.pop(next(iter(self.observed)))
 
     def _tell_watchers(self, peer: str) -> None:
         """Tell the request watchers that `peer` sent a request (a watcher's failure is its own: logged)."""

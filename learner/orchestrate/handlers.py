@@ -315,6 +315,7 @@ class LearnerService:
                 {
                     "peer_id": w.peer_id,
                     "addr": addrs[0] if addrs else None, "listed": bool(self.seeder.listed(w.peer_id)),
+                    "observed": self.seeder.host.observed.get(w.peer_id),
                     "role": "worker",
                     **w.row(self.versions.trained, now, active),
                     "activity": reason,

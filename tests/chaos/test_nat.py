@@ -78,6 +78,7 @@ def test_a_worker_behind_nat_on_a_lossy_link_trains_and_its_private_address_is_n
     peers = {p["peer_id"]: p for p in doc["peers"]}
     assert peers[home_id]["addr"].startswith(f"/ip4/{netlab.HOME_IP}/")  # what it announced, and
     assert peers[home_id]["listed"] is False  # never handed out: nobody outside can reach it
+    assert peers[home_id]["observed"].startswith(f"/ip4/{netlab.ROUTER_WAN_IP}/tcp/")  # what the learner sees
     assert peers[public_id]["addr"].startswith(f"/ip4/{netlab.INET_IP}/tcp/") and peers[public_id]["listed"]
     assert peers[home_id]["groups_accepted"] > 0 and peers[home_id]["flagged"] is None
     home_log = swarm.log("home")
