@@ -43,6 +43,8 @@ def node_main(argv: list[str]) -> None:
     p.add_argument("--chunk-mib", type=float, default=0.0, help="chunk size (0: the learner's, codec.chunk_size_for)")
     p.add_argument("--upload-slots", type=int, default=UPLOAD_SLOTS, help="chunk replies sent at once (0: all)")
     p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on")
+    p.add_argument("--versions", type=int, default=0, help="then publish this many more versions, timed one by one")
+    p.add_argument("--every", type=float, default=2.0, help="seconds between those versions")
     args = p.parse_args(argv)
 
     import logging
@@ -68,9 +70,21 @@ def node_main(argv: list[str]) -> None:
         tensors = {"weights": rng.integers(0, 2**16, n_words, dtype=np.uint16)}
         pv, _ = build_version("bench", 1, tensors, {"weights": "bf16"}, chunk_size=int(args.chunk_mib * 2**20) or None)
         pv.manifest = pv.manifest.signed(key, host.peer_id)
-        Seeder(host, ChunkStore(), args.upload_slots or None).publish(pv)
+        seeder = Seeder(host, ChunkStore(), args.upload_slots or None)
+        seeder.publish(pv)
         say(ready=True, addr=host.addrs[0], payload_bytes=pv.manifest.payload_size, chunks=len(pv.chunks),
             chunk_bytes=pv.manifest.chunks[0][1])  # fmt: skip
+        if args.versions:  # "go": publish the timed versions, each announced to the peers as the learner does
+            sys.stdin.readline()
+            published = {}
+            for version in range(2, args.versions + 2):
+                tensors = {"weights": rng.integers(0, 2**16, n_words, dtype=np.uint16)}
+                pv, _ = build_version("bench", version, tensors, {"weights": "bf16"})
+                pv.manifest = pv.manifest.signed(key, host.peer_id)
+                published[version] = time.time()  # (the peers run on this machine: one wall clock)
+                seeder.publish(pv)
+                time.sleep(args.every)
+            say(published=published)
         sys.stdin.readline()  # until stop
         return
     star = args.mode == "star"
@@ -93,6 +107,11 @@ def node_main(argv: list[str]) -> None:
         connect_s=round(time.perf_counter() - tick, 2),
     )
     sys.stdin.readline()  # go
+    if args.versions:
+        say(**timed_versions(peer, args.versions))
+        sys.stdin.readline()  # stop
+        host.stop()
+        return
     start, mono = time.perf_counter(), time.monotonic()
     manifest = peer.fetch_manifest()
     chunks = peer.fetch(manifest, timeout=3600)
@@ -104,6 +123,48 @@ def node_main(argv: list[str]) -> None:
         learner_done_s=round(learner_done, 2), verified=True, stats=peer.stats_dict())  # fmt: skip
     sys.stdin.readline()  # stop: keep serving until every peer is done
     host.stop()
+
+
+def timed_versions(peer: Any, count: int, timeout: float = 300.0) -> dict[str, Any]:
+    """Fetch each version the learner announces, as a worker's fetcher does: {version: wall time held}."""
+    import queue
+
+    from p2p.versions import rebuild_raw
+
+    announced: queue.Queue[int] = queue.Queue()
+    peer.on_announce = announced.put
+    held: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    while len(held) < count and time.monotonic() < deadline:
+        try:
+            version = announced.get(timeout=1.0)
+        except queue.Empty:
+            continue
+        if version in held or version < 2:
+            continue
+        manifest = peer.fetch_manifest(version)
+        rebuild_raw(manifest, peer.fetch(manifest, timeout=60))
+        held[version] = time.time()
+    return {"done": True, "verified": len(held) == count, "held": held, "stats": peer.stats_dict()}
+
+
+def version_latency(published: dict[int, float], results: list[dict], wan: Wan | None, info: dict) -> dict[str, Any]:
+    """Per peer: the median seconds from a version's publication to holding it, and in round trips to the
+    learner; how many of the versions it held."""
+    out = []
+    for k, r in enumerate(results):
+        lags = sorted(t - published[int(v)] for v, t in r.get("held", {}).items())
+        rtt = wan.rtt_ms(0, k + 1) / 1000 if wan is not None else None
+        median = lags[len(lags) // 2] if lags else None
+        out.append({
+            "rtt_ms": round(rtt * 1000) if rtt else None, "held": f"{len(lags)}/{len(published)}",
+            "median_s": round(median, 3) if median is not None else None,
+            "median_rtts": round(median / rtt, 1) if median is not None and rtt else None,
+            "behind_nat": bool(wan is not None and wan.sites[k + 1].nat),
+            "from_learner": r.get("stats", {}).get("from_learner", 0),
+            "from_peers": r.get("stats", {}).get("from_peers", 0),
+        })  # fmt: skip
+    return {"versions": len(published), "chunks": info["chunks"], "payload_bytes": info["payload_bytes"], "peers": out}
 
 
 def wan_sites(peers: int, rtt: tuple[float, float], nat: int, learner_up: float, peer_up: float,
@@ -122,12 +183,15 @@ def wan_sites(peers: int, rtt: tuple[float, float], nat: int, learner_up: float,
 def run_broadcast_bench(
     peers: int, size_mb: float, learner_up: float, peer_up: float, peer_down: float | None, mode: str, chunk_mib: float,
     upload_slots: int | None = None, rtt: tuple[float, float] | None = None, nat: int = 0, loss: float = 0.0,
+    versions: int = 0, every: float = 2.0,
 ) -> dict[str, Any]:  # fmt: skip
     """`chunk_mib` 0: the learner's own chunk size; `upload_slots` None: the nodes' own (0: all at once).
     With `rtt` (ms, lo and hi) every node runs on a site of an echo_cli.netlab.Wan whose links do the
     rate caps, delays and `loss`, the last `nat` peers behind NAT routers; else on 127.0.0.1, capped by the
-    hosts' own token buckets."""
+    hosts' own token buckets. With `versions`, the learner then publishes that many more versions of
+    `size_mb`, `every` seconds apart, and the result is each peer's time from publication to holding one."""
     node = [sys.executable, "-m", "echo_cli.bench_broadcast", "node"]
+    timed = ["--versions", str(versions), "--every", str(every)] if versions else []
     procs: list[subprocess.Popen] = []
     wan = Wan(wan_sites(peers, rtt, nat, learner_up, peer_up, peer_down, loss)) if rtt is not None else None
 
@@ -147,11 +211,11 @@ def run_broadcast_bench(
         upload_slots = UPLOAD_SLOTS if upload_slots is None else upload_slots
         slots = ["--upload-slots", str(upload_slots)]
         learner_cap = ["--up", str(learner_up)] if wan is None else []
-        seeder, info = spawn(["seeder", "--size-mb", str(size_mb), *learner_cap, "--chunk-mib", str(chunk_mib), *slots],
-                             0)  # fmt: skip
+        seeder, info = spawn(["seeder", "--size-mb", str(size_mb), *learner_cap, "--chunk-mib", str(chunk_mib), *slots,
+                              *timed], 0)  # fmt: skip
         peer_cap = ["--up", str(peer_up)] if wan is None else []
         workers = [
-            spawn(["peer", "--learner", info["addr"], *peer_cap, "--mode", mode, *caps, *slots], k + 1)[0]
+            spawn(["peer", "--learner", info["addr"], *peer_cap, "--mode", mode, *caps, *slots, *timed], k + 1)[0]
             for k in range(peers)
         ]
         behind_nat = [wan is not None and wan.sites[k + 1].nat for k in range(peers)]
@@ -160,6 +224,13 @@ def run_broadcast_bench(
             w.stdin.write(f"connect {public - (0 if hidden else 1)}\n")  # before the clock starts, as joined
             w.stdin.flush()  # swarm workers are (nobody can dial a peer behind NAT)
         connected = [json.loads(w.stdout.readline() or "{}") for w in workers]
+        if versions:
+            for proc in [*workers, seeder]:  # the peers wait for announcements before the learner publishes
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            published = {int(v): t for v, t in json.loads(seeder.stdout.readline())["published"].items()}
+            results = [json.loads(w.stdout.readline() or "{}") for w in workers]
+            return version_latency(published, results, wan, info)
         start = time.perf_counter()
         for w in workers:
             w.stdin.write("go\n")

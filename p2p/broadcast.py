@@ -76,6 +76,9 @@ MANIFEST = "/echo/manifest/1"
 CHUNK = "/echo/chunk/1"
 HAVE = "/echo/have/1"
 JOIN = "/echo/join/1"
+ANNOUNCE = "/echo/announce/1"
+ANNOUNCE_WORKERS = 8  # announcements the learner sends at once
+ANNOUNCE_TIMEOUT = 5.0  # seconds one may take (best effort: a worker that misses one polls)
 
 PENALTY_LIMIT = 3  # bad chunks after which a peer is no longer asked
 DEAD_FOR = 5.0  # seconds a peer that failed a request is skipped
@@ -84,8 +87,9 @@ LEARNER_CLAIMS = 2  # claims a peer keeps in flight to the learner (one arriving
 CLAIM_WAIT = 0.2  # seconds a peer waits before claiming again when the learner had nothing for it
 CHUNK_TIMEOUT = 60.0  # seconds until a chunk reply starts; then its body may take its size / CHUNK_MIN_RATE
 CHUNK_MIN_RATE = 32e3  # bytes/s: a 4 MiB chunk from a 1 Mbit/s uplink shared by UPLOAD_SLOTS replies arrives
-# seconds after a chunk went out before the learner sends it again: by then its holder has shown it in the
-# have-maps of the peers that can reach it, so a peer that still cannot find it needs it from the learner
+# seconds after a chunk went out before the learner sends it again while other claims wait for its uplink:
+# by then its holder has shown it in the have-maps of the peers that can reach it, so a peer that still
+# cannot find it needs it from the learner. With no claim waiting the uplink has room: copies go at once
 COPY_AFTER = 4.0
 # seconds before the learner gives a peer a chunk it gave it already (sooner if the peer says a claim failed)
 REGIVE_AFTER = CHUNK_TIMEOUT + (4 << 20) / CHUNK_MIN_RATE
@@ -250,6 +254,8 @@ class Seeder(ChunkServer):
         self._claims_lock = threading.Lock()
         self._rng = random.Random()
         self._clock = clock
+        # a new version is announced to the peers at once (a worker at 100 ms does not wait for its next poll)
+        self._announcer = BackgroundPool("announce", ANNOUNCE_WORKERS, ANNOUNCE_WORKERS * 64)
 
     @property
     def peers(self) -> dict[str, list[str]]:
@@ -265,17 +271,27 @@ class Seeder(ChunkServer):
         return self.registry.dial_back
 
     def publish(self, pv: PolicyVersion, beside: PolicyVersion | None = None) -> None:
-        """Add a version to the chain, and `beside` (its full snapshot, if made) to the snapshots."""
+        """Add a version to the chain, and `beside` (its full snapshot, if made) to the snapshots; tell every
+        peer that joined (over its own connection if it dialled us from behind a NAT)."""
         if beside is not None:  # first, so that no joiner is sent to a delta it cannot start from
             self.snapshots.add_version(beside)
         self.store.add_version(pv)
+        for peer in self.registry.joined()[: ANNOUNCE_WORKERS * 64]:
+            self._announcer.submit(partial(self._announce, peer, pv.manifest.version))
+
+    def _announce(self, peer: str, version: int) -> None:
+        try:
+            self.host.request(peer, ANNOUNCE, {"version": version}, timeout=ANNOUNCE_TIMEOUT)
+        except (PeerUnavailable, RemoteError):
+            pass  # it learns of the version at its next heartbeat
 
     def forget(self, peer: str) -> None:
         self.registry.forget(peer)
 
     def close(self) -> None:
-        """Stop dialling back (the probing host stops); the registry stays readable."""
+        """Stop dialling back (the probing host stops) and announcing; the registry stays readable."""
         self.registry.close()
+        self._announcer.close()
 
     def _on_join(self, peer: str, msg: dict) -> dict:
         return {"peers": self.registry.join(peer, msg.get("addrs"))}
@@ -287,9 +303,9 @@ class Seeder(ChunkServer):
         """A claim {version, run_id, full, want, hard, again}: `want` the chunks the peer misses and has not
         asked anyone for, `hard` those of them no peer of its own holds (bitmaps). Answers {index, data} with
         the chunk of `want` to send now: one of `hard` before any other, then the one sent fewest times (ties
-        at random); not one sent in the last COPY_AFTER seconds, nor one given to this peer in the last
-        REGIVE_AFTER unless it says `again` (a claim of its failed). {index: None} if there is none;
-        {gone: True} if the version is not held (a newer one is out) or is another run's."""
+        at random); not one sent in the last COPY_AFTER seconds while other claims wait, nor one given to this
+        peer in the last REGIVE_AFTER unless it says `again` (a claim of its failed). {index: None} if there
+        is none; {gone: True} if the version is not held (a newer one is out) or is another run's."""
         version, want, hard = msg.get("version"), msg.get("want"), msg.get("hard", b"")
         if not isinstance(version, int) or not isinstance(want, bytes) or not isinstance(hard, bytes):
             raise Misbehaviour("a chunk claim needs an integer version and bitmaps want and hard")
@@ -302,6 +318,7 @@ class Seeder(ChunkServer):
         except BadRequest as exc:
             raise Misbehaviour(f"chunk claim: {exc}") from None
         key, now = (version, store is self.snapshots), self._clock()
+        copy_after = COPY_AFTER if self.host.waiting(CHUNK) else 0.0  # an uplink with room sends copies at once
         with self._claims_lock:
             self._forget_dropped()
             sent = self._sent.setdefault(key, [0] * n)
@@ -312,7 +329,7 @@ class Seeder(ChunkServer):
             fresh = [
                 i
                 for i in wanted
-                if now - given.get(i, -REGIVE_AFTER) >= REGIVE_AFTER and (not sent[i] or now - last[i] >= COPY_AFTER)
+                if now - given.get(i, -REGIVE_AFTER) >= REGIVE_AFTER and (not sent[i] or now - last[i] >= copy_after)
             ]
             if not fresh:
                 return {"index": None}
@@ -390,6 +407,8 @@ class BroadcastPeer(ChunkServer):
         self._skipped: set[str] = set()  # peers whose entry was skipped and logged (once each)
         self._peers_changed = threading.Condition()
         self._traders = ThreadPoolExecutor(max_workers=8, thread_name_prefix="have")  # have-map trades at once
+        self.on_announce: Callable[[int], None] | None = None  # told of each version the learner announces
+        host.handle(ANNOUNCE, self._on_announce)
 
     def join(self, timeout: float = 10.0, learner: str | None = None) -> None:
         """Register with the learner (at `learner`, an address or a peer id we are connected to; by default
@@ -399,6 +418,15 @@ class BroadcastPeer(ChunkServer):
         announce = [a for a in self.announce or self.host.addrs if self._own_addr(a)][:MAX_ADDRS]
         reply = self.host.request(learner or self.learner_addr, JOIN, {"addrs": announce}, timeout=timeout)
         self.refresh_peers(reply.get("peers") if isinstance(reply, dict) else None)
+
+    def _on_announce(self, peer: str, msg: dict) -> dict:
+        """The learner published a version: say so to whoever listens (the worker's fetcher syncs at once)."""
+        version = msg.get("version")
+        if peer != self.learner or not isinstance(version, int) or version < 0:
+            raise Misbehaviour("only the learner announces versions, by number")
+        if self.on_announce is not None:
+            self.on_announce(version)
+        return {}
 
     def _own_addr(self, addr: str) -> bool:
         """Whether the learner accepts `addr` as one of ours (we announce only those: others cost a penalty)."""

@@ -151,6 +151,7 @@ class Host:
         # peer -> the address its last request came from: what we see of it, not what it says (a NAT's address
         # for a worker behind one); the MAX_OBSERVED most recent peers
         self.observed: dict[str, str] = {}
+        self._slots: dict[str, trio.Semaphore] = {}  # protocol -> its answer slots (handle(concurrency=...))
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -360,6 +361,8 @@ class Host:
         `limits`: what one request may hold (p2p.wire.FrameLimits).
         """
         slots = self._run_sync(trio.Semaphore, concurrency) if concurrency else None
+        if slots is not None:
+            self._slots[protocol] = slots
         cfg = self.config
         limits = dataclasses.replace(limits, max_bytes=min(limits.max_bytes, cfg.max_frame))  # a host-wide cap too
 
@@ -410,6 +413,12 @@ class Host:
                     self._open_streams.pop(peer, None)
 
         self._run_sync(self._host.set_stream_handler, TProtocol(protocol), on_stream)
+
+    def waiting(self, protocol: str) -> int:
+        """Requests of `protocol` waiting for an answer slot now (0 without a concurrency bound): whether
+        its answers use all the uplink they are allowed."""
+        slots = self._slots.get(protocol)
+        return self._run_sync(lambda: slots.statistics().tasks_waiting) if slots is not None else 0
 
     def _observe(self, peer: str, stream: Any) -> None:
         """Note the address a request of `peer` came from (in the trio thread)."""

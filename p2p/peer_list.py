@@ -262,6 +262,11 @@ class PeerRegistry:
                 entry.probing.add(addr)
         return listed
 
+    def joined(self) -> list[str]:
+        """Every peer in the registry, listed or not (one behind a NAT too)."""
+        with self._lock:
+            return list(self._registry)
+
     def listed(self, peer: str) -> list[str]:
         """The addresses of `peer` that later joiners are given (those its dial-back reached)."""
         with self._lock:

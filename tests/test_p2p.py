@@ -396,11 +396,12 @@ def test_a_peer_that_skips_a_version_does_not_hold_up_the_others(hosts):
     assert fetching.stats["from_learner"] == len(m.chunks) and seeder.copies_sent(m.version) == [1] * len(m.chunks)
 
 
-def test_the_learner_answers_claims_once_per_chunk_and_per_peer_and_refuses_bad_ones(hosts):
-    """Seeder._on_claim: every chunk once before any twice; a copy only COPY_AFTER seconds after the last;
-    a chunk the asker can get from no peer of its own first; never the same chunk twice to one peer unless
-    it says its claim failed; hostile claims refused with a penalty."""
-    learner, first, second = hosts(), hosts(), hosts()
+def test_the_learner_answers_claims_once_per_chunk_and_per_peer_and_refuses_bad_ones(hosts, monkeypatch):
+    """Seeder._on_claim: every chunk once before any twice; while other claims wait for the uplink, a copy
+    only COPY_AFTER seconds after the last (with room, at once); a chunk the asker can get from no peer of
+    its own first; never the same chunk twice to one peer unless it says its claim failed; hostile claims
+    refused with a penalty."""
+    learner, first, second, third = hosts(), hosts(), hosts(), hosts()
     pv, _ = random_version(learner.key, learner.peer_id, mb=2)
     clock = [0.0]
     seeder = Seeder(learner, ChunkStore(), clock=lambda: clock[0])
@@ -414,12 +415,16 @@ def test_the_learner_answers_claims_once_per_chunk_and_per_peer_and_refuses_bad_
     got = [ask(first) for _ in range(n)]
     assert sorted(r["index"] for r in got) == list(range(n)) and all(r["data"] == pv.chunks[r["index"]] for r in got)
     assert ask(first) == {"index": None}  # given to it already
-    assert ask(second) == {"index": None}  # each just went out: its holder will show it
+    monkeypatch.setattr(learner, "waiting", lambda protocol: 1)  # other claims wait for the learner's uplink:
+    assert ask(second) == {"index": None}  # each chunk just went out, and its holder will show it
     clock[0] += p2p.broadcast.COPY_AFTER
     assert ask(second, hard=hard)["index"] == n - 1  # the one it can get from nobody it reaches, first
     assert ask(second)["index"] != n - 1
     assert ask(first, again=True)["index"] != n - 1  # its claims failed: it may have them again
     assert sum(seeder.copies_sent(pv.manifest.version)) == n + 3
+    assert ask(third, hard=hard) == {"index": None}  # n - 1 went out just now
+    monkeypatch.setattr(learner, "waiting", lambda protocol: 0)  # nobody waits: the uplink has room
+    assert ask(third, hard=hard)["index"] == n - 1
     assert ask(second, version=99) == {"gone": True}
     for bad in ({"want": "all"}, {"hard": 3}, {"want": every[:-1]}, {"version": "1"}):
         with pytest.raises(RemoteError, match="claim"):
@@ -457,6 +462,28 @@ def test_no_chunk_waits_on_a_peer_nobody_can_reach(hosts, monkeypatch):
     [t.join(90) for t in threads]
     assert len(results) == 4 and all(r == raw for r in results.values())
     assert min(seeder.copies_sent(pv.manifest.version)) >= 1 and sum(p.stats["from_peers"] for p in (a, b, c, d)) > 0
+
+
+def test_the_learner_announces_each_version_to_the_peers_that_joined_and_only_it_may(hosts):
+    """A published version is announced at once to every peer that joined (a worker then syncs without
+    waiting for its next poll); an announcement from anyone else is refused with a penalty."""
+    learner, stranger = hosts(), hosts()
+    seeder = Seeder(learner, ChunkStore())
+    peers = [BroadcastPeer(hosts(), ChunkStore(), learner.addrs[0]) for _ in range(2)]
+    heard = {p.host.peer_id: [] for p in peers}
+    for p in peers:
+        p.on_announce = heard[p.host.peer_id].append
+        p.join()
+    for version in (0, 1):
+        seeder.publish(random_version(learner.key, learner.peer_id, mb=1, version=version)[0])
+    deadline = time.monotonic() + 30
+    while any(v != [0, 1] for v in heard.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(sorted(v) == [0, 1] for v in heard.values()), heard
+    with pytest.raises(RemoteError, match="only the learner"):
+        stranger.request(peers[0].host.addrs[0], p2p.broadcast.ANNOUNCE, {"version": 5})
+    assert sorted(heard[peers[0].host.peer_id]) == [0, 1] and peers[0].host.guard.counts == {"misbehaviour": 1}
+    seeder.close()
 
 
 def test_a_version_the_learner_dropped_is_dropped_by_the_fetching_peer(hosts):

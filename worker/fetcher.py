@@ -1,6 +1,7 @@
 """The worker's background fetcher: keeps the next policy version ready while the engine generates.
 
-    every poll_s: heartbeat -> newest version v' announced by the learner
+    every poll_s, and at once when the learner announces a version (/echo/announce/1):
+    heartbeat -> newest version v' announced by the learner
     v' newer than what the engine runs (or has staged)?  sync to it through the swarm (deltas, checked
     by hash), then stage it in the engine beside the live weights; the daemon installs it between leases
 
@@ -74,6 +75,7 @@ class VersionFetcher:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="fetcher", daemon=True)
+        peer.on_announce = lambda version: self.poke()  # the learner published: sync now, not at the next poll
 
     def start(self) -> VersionFetcher:
         self._thread.start()

@@ -135,3 +135,18 @@ def test_a_home_worker_whose_link_is_cut_for_20_s_resumes_without_a_stack_trace(
     assert home_worker.poll() is None and learner.poll() is None
     print("\n".join(line[:160] for line in home_log.splitlines() if "timed out" in line or "not delivered" in line
                      or "unreachable" in line or "now on v" in line)[-3000:])  # fmt: skip
+
+
+def test_small_versions_are_announced_and_held_by_every_worker_nat_or_not():
+    """One-chunk versions on the WAN test bed (bench broadcast --versions): the learner announces each one,
+    and every peer, the one behind NAT too, fetches and checks every one (the figures: docs/benchmarks.md)."""
+    why = netlab.missing()
+    if why is not None:
+        pytest.skip(why)
+    from echo_cli.bench_broadcast import run_broadcast_bench
+
+    result = run_broadcast_bench(
+        3, 0.03, 100.0, 20.0, None, "swarm", 0.0, rtt=(40.0, 120.0), nat=1, versions=3, every=1.0
+    )
+    assert result["chunks"] == 1 and [p["held"] for p in result["peers"]] == ["3/3"] * 3
+    assert [p["behind_nat"] for p in result["peers"]] == [False, False, True]
