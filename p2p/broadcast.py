@@ -652,7 +652,8 @@ class BroadcastPeer(ChunkServer):
         fetch = _Fetch(manifest)
         rng = random.Random(self.host.peer_id)
         last_have = 0.0
-        with ThreadPoolExecutor(max_workers=self.max_inflight + LEARNER_CLAIMS + 2, thread_name_prefix="fetch") as pool:
+        pool = ThreadPoolExecutor(max_workers=self.max_inflight + LEARNER_CLAIMS + 2, thread_name_prefix="fetch")
+        try:
             have_future: Future | None = None
             while True:
                 held = self.store.held(version)
@@ -686,6 +687,8 @@ class BroadcastPeer(ChunkServer):
                         fetch.claims += 1
                         pool.submit(self._claim_one, fetch, *claim)
                     fetch.done.wait(0.05)
+        finally:  # without waiting for the requests still out (a have-map trade, a copy): each has its timeout
+            pool.shutdown(wait=False, cancel_futures=True)
         return [self.store.get(version, i) or b"" for i in range(n)]
 
     def _choose(
