@@ -5,6 +5,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from learner.orchestrate.journal import read_journal
 from tests.test_distributed import check_accounting
 
@@ -27,11 +29,18 @@ def used_groups(metrics: list[dict]) -> set[int]:
     return {g for m in metrics for g in m["batch_groups"] + m["set_aside_groups"]}
 
 
-def test_learner_killed_and_resumed_loses_no_accepted_rollout_or_step(swarm):
-    args = ("--steps", "30", "--checkpoint-every", "4")
+@pytest.mark.parametrize("secret", [False, True], ids=["open", "with-a-swarm-secret"])
+def test_learner_killed_and_resumed_loses_no_accepted_rollout_or_step(swarm, secret):
+    """With a swarm secret the restarted learner has forgotten who authenticated: the workers' first requests
+    are refused until they authenticate again, and none of them may get a worker banned (#34 item 4)."""
+    auth = ()
+    if secret:
+        (swarm.tmp / "swarm.secret").write_text("a-swarm-secret-of-the-test-run\n")
+        auth = ("--secret-file", str(swarm.tmp / "swarm.secret"))
+    args = ("--steps", "30", "--checkpoint-every", "4", *auth)
     learner = swarm.learner(*args)
-    swarm.worker("w1", "--max-groups", "1")
-    swarm.worker("w2", "--max-groups", "1")
+    swarm.worker("w1", "--max-groups", "1", *auth)
+    swarm.worker("w2", "--max-groups", "1", *auth)
     wait_for(lambda: steps_done(swarm) >= 6, 180, "6 steps", [("learner", learner)])
     learner.send_signal(signal.SIGKILL)
     learner.wait(10)
@@ -64,6 +73,7 @@ def test_learner_killed_and_resumed_loses_no_accepted_rollout_or_step(swarm):
     )
     last_workers = after[-1]["workers"]
     assert len(last_workers) == 2 and all(w["groups_accepted"] > 0 for w in last_workers.values())  # both came back
+    assert "banned" not in swarm.log("learner")
 
 
 def test_killed_worker_lease_is_reissued_and_late_joiner_catches_up(swarm):
