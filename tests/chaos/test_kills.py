@@ -162,3 +162,32 @@ def test_worker_killed_mid_chunk_then_its_damaged_store_is_repaired(swarm):
     print(
         f"\nvictim killed mid-chunk, no chunk stored; restarted after damage: {store_line.split('store: ')[1].strip()}"
     )
+
+
+def test_a_worker_that_sleeps_past_the_learners_patience_comes_back(swarm):
+    """A laptop that sleeps (#34 item 4): the worker is frozen (SIGSTOP) for three times as long as the learner
+    waits for a silent worker; woken, it picks up where it was (a lease it held may have expired and gone to
+    the other worker) and has rollouts accepted again, without a stack trace on either side."""
+    learner = swarm.learner("--steps", "100000", "--worker-silence", "4", "--no-autoscale")
+    sleeper = swarm.worker("sleeper", "--max-groups", "1", "-v")
+    awake = swarm.worker("awake", "--max-groups", "1")
+    procs = [("learner", learner), ("sleeper", sleeper), ("awake", awake)]
+    sleeper_id = swarm.tmp / "sleeper.key"
+
+    def accepted() -> int:
+        from p2p.identity import load_identity, peer_id_of
+
+        short = peer_id_of(load_identity(sleeper_id))[-8:]
+        if not steps_done(swarm):
+            return 0
+        return swarm.metrics()[-1]["workers"].get(short, {}).get("groups_accepted", 0)
+
+    wait_for(lambda: accepted() > 0, 240, "the sleeper's first rollouts", procs)
+    sleeper.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(12.0)  # three times the learner's patience; the awake worker keeps it training
+        before = accepted()
+    finally:
+        sleeper.send_signal(signal.SIGCONT)
+    wait_for(lambda: accepted() > before, 240, "the sleeper's rollouts after it woke", procs)
+    assert "Traceback" not in swarm.log("sleeper") and "Traceback" not in swarm.log("learner")
