@@ -50,6 +50,10 @@ def hosts():
         h.stop()
 
 
+def tensors_of_bits(mb: float, seed: int = 0) -> dict:
+    return {"w": np.random.default_rng(seed).integers(0, 2**16, int(mb * 2**20) // 2, dtype=np.uint16)}
+
+
 def random_version(key, signer, mb=3.0, version=1, seed=0):
     rng = np.random.default_rng(seed)
     tensors = {
@@ -183,6 +187,32 @@ def test_a_request_that_times_out_leaves_no_stream_open(hosts):
         time.sleep(0.1)
     assert open_streams(client, server.peer_id) == 0 and open_streams(server, client.peer_id) == 0
     assert client.request(server.peer_id, "/slow/1", {}, timeout=5) == {}  # the connection still serves
+
+
+def test_a_chunk_from_a_slow_uplink_arrives_though_it_takes_longer_than_the_timeout(hosts):
+    """Two 256 KiB chunks at once from a 1 Mbit/s uplink take ~4 s; the request timeout (1 s here, 60 s in a
+    swarm with 4 MiB chunks) bounds the wait for the reply to start, then the body may take its size at
+    CHUNK_MIN_RATE (before, every such request timed out and the slow peer served nobody)."""
+    server, client = hosts(HostConfig(upload_bps=125_000)), hosts()
+    pv, _ = build_version("run", 1, tensors_of_bits(0.5), {"w": "bf16"}, chunk_size=2**18)
+    store = ChunkStore()
+    store.add_version(pv)
+    ChunkServer(server, store)
+    client.connect(server.addrs[0])
+    got, errors = {}, []
+
+    def ask(index, min_rate):
+        try:
+            got[index] = client.request(server.peer_id, CHUNK, {"version": 1, "index": index}, 1.0, min_rate)["data"]
+        except PeerUnavailable as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=ask, args=(i, p2p.broadcast.CHUNK_MIN_RATE)) for i in (0, 1)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    assert not errors and [got[i] for i in (0, 1)] == pv.chunks[:2]
+    ask(0, None)  # the old rule: the whole reply within the timeout
+    assert errors and "timed out" in errors[0]
 
 
 def test_hosts_dial_only_whom_they_choose(hosts):
