@@ -31,7 +31,8 @@ it. Chunk and have requests say which of a version's two forms they mean ("full"
 
 Protocols: /echo/manifest/1 (newest or given version; with "since", the manifests before it that rebuild
 it from that version, or else from the newest full snapshot, and the snapshots beside those deltas),
-/echo/chunk/1, /echo/have/1, /echo/join/1 (register with the learner, get the peer list).
+/echo/chunk/1 (a chunk by index, or a claim: the learner picks), /echo/have/1, /echo/join/1 (register with
+the learner, get the peer list), /echo/announce/1 (the learner tells each peer that joined of a new version).
 
 The peer list (who joined, checked and dialled back) is p2p.peer_list's: Seeder keeps its PeerRegistry, and
 BroadcastPeer dials the listed peers in the background.
