@@ -11,8 +11,9 @@ from other peers at once, and serves every chunk it holds while it is still down
   swarm. Every peer keeps LEARNER_CLAIMS claims in flight, so the learner's uplink never idles while
   anyone misses anything;
 - everything else comes from peers, rarest chunk first (fewest holders in the have-maps), with a
-  bounded number of requests in flight per peer; a peer that reached us (one behind NAT) is asked over
-  its own connection;
+  bounded number of requests in flight per peer, asking only listed peers (the learner dialled them
+  back): anyone can send a have-map, and a stranger claiming every chunk would hold our requests; a
+  peer behind NAT fetches from listed peers and serves them over the connections it dialled;
 - a chunk whose hash does not match is thrown away, the peer that served it is penalised (avoided
   after PENALTY_LIMIT), and the chunk is fetched elsewhere; a peer that resets or times out is
   skipped for a while.
@@ -87,6 +88,7 @@ HAVE_REFRESH = 0.3  # seconds between have-map exchanges with each peer
 LEARNER_CLAIMS = 2  # claims a peer keeps in flight to the learner (one arriving while the next is on its way)
 CLAIM_WAIT = 0.2  # seconds a peer waits before claiming again when the learner had nothing for it
 CHUNK_TIMEOUT = 60.0  # seconds until a chunk reply starts; then its body may take its size / CHUNK_MIN_RATE
+REPLY_OVERHEAD = 4096  # bytes a chunk reply may hold beyond the chunk (its framing)
 CHUNK_MIN_RATE = 32e3  # bytes/s: a 4 MiB chunk from a 1 Mbit/s uplink shared by UPLOAD_SLOTS replies arrives
 # seconds after a chunk went out before the learner sends it again while other claims wait for its uplink:
 # by then its holder has shown it in the have-maps of the peers that can reach it, so a peer that still
@@ -277,7 +279,8 @@ class Seeder(ChunkServer):
         if beside is not None:  # first, so that no joiner is sent to a delta it cannot start from
             self.snapshots.add_version(beside)
         self.store.add_version(pv)
-        for peer in self.registry.joined()[: ANNOUNCE_WORKERS * 64]:
+        connected = set(self.host.connected_peers())  # never a dial: only peers connected to us now
+        for peer in [p for p in self.registry.joined() if p in connected][: ANNOUNCE_WORKERS * 64]:
             self._announcer.submit(partial(self._announce, peer, pv.manifest.version))
 
     def _announce(self, peer: str, version: int) -> None:
@@ -671,7 +674,10 @@ class BroadcastPeer(ChunkServer):
                     not fetch.inflight
                     and not fetch.claims
                     and not self._alive(self.learner)
-                    and not any(self._alive(p) and self.peer_have[p].get(version, set()) - held for p in self.peer_have)
+                    and not any(
+                        p in self.peers and self._alive(p) and maps.get(version, set()) - held
+                        for p, maps in list(self.peer_have.items())
+                    )
                 ):
                     raise PeerUnavailable(f"version {version}: the learner is unreachable and no peer can help")
                 if (have_future is None or have_future.done()) and time.monotonic() - last_have > HAVE_REFRESH:
@@ -700,7 +706,9 @@ class BroadcastPeer(ChunkServer):
         version, n = fetch.manifest.version, len(fetch.manifest.chunks)
         holders: dict[int, list[str]] = defaultdict(list)
         for peer, maps in list(self.peer_have.items()):
-            if peer != self.learner and self._alive(peer):  # listed peers, and those that reached us
+            # only listed peers (the learner dialled them back): anyone can send us a have-map, and a stranger
+            # that claims every chunk and answers slowly would hold our requests
+            if peer in self.peers and self._alive(peer):
                 for i in maps.get(version, ()):
                     holders[i].append(peer)
         wanted = [i for i in range(n) if i not in held and i not in fetch.inflight]
@@ -727,7 +735,8 @@ class BroadcastPeer(ChunkServer):
         manifest = fetch.manifest
         try:
             ask = {"version": manifest.version, "index": index, "run_id": manifest.run_id, "full": is_full(manifest)}
-            reply = self.host.request(source, CHUNK, ask, CHUNK_TIMEOUT, CHUNK_MIN_RATE)
+            most = manifest.chunks[index][1] + REPLY_OVERHEAD
+            reply = self.host.request(source, CHUNK, ask, CHUNK_TIMEOUT, CHUNK_MIN_RATE, max_reply=most)
             self._keep(manifest, index, source, reply.get("data"))
         except RemoteError:
             fetch.failed.add((index, source))  # the peer does not hold it (any more)
@@ -742,12 +751,19 @@ class BroadcastPeer(ChunkServer):
     def _claim_one(self, fetch: _Fetch, want: bytes, hard: bytes) -> None:
         """Claim a chunk from the learner (a pool job): it picks which (Seeder._on_claim)."""
         manifest = fetch.manifest
+        with fetch.done:
+            again = fetch.claim_failed
         claim = {"version": manifest.version, "run_id": manifest.run_id, "full": is_full(manifest), "want": want}
-        claim |= {"hard": hard, "again": fetch.claim_failed}
+        claim |= {"hard": hard, "again": again}
         wait = 0.0
+        biggest = max(size for _, size in manifest.chunks)
         try:
-            reply = self.host.request(self.learner, CHUNK, claim, CHUNK_TIMEOUT, CHUNK_MIN_RATE)
-            fetch.claim_failed = False
+            reply = self.host.request(
+                self.learner, CHUNK, claim, CHUNK_TIMEOUT, CHUNK_MIN_RATE, max_reply=biggest + REPLY_OVERHEAD
+            )
+            if again:  # the learner knows now: only this claim may say the failure was heard
+                with fetch.done:
+                    fetch.claim_failed = False
             index = reply.get("index")
             if reply.get("gone") is True:
                 fetch.gone = True
@@ -761,7 +777,8 @@ class BroadcastPeer(ChunkServer):
             self.dead_until[self.learner] = time.monotonic() + DEAD_FOR
             log.info("chunk claim refused by the learner: %s", exc)
         except PeerUnavailable as exc:
-            fetch.claim_failed = True  # the chunk it was sending us is lost: it may send it again
+            with fetch.done:
+                fetch.claim_failed = True  # the chunk it was sending us is lost: it may send it again
             self._unavailable(self.learner, exc)
         finally:
             with fetch.done:
@@ -778,6 +795,8 @@ class BroadcastPeer(ChunkServer):
             self.stats["bad_chunks"] += 1
             log.warning("chunk %d of v%d from %s failed its hash check; penalised", index, version, source[-8:])
             return
+        if version not in self.store.manifests:
+            return  # dropped while this request was out (the learner moved on): nothing to keep
         self.store.put(version, index, data)
         learner = source == self.learner
         self.stats["from_learner" if learner else "from_peers"] += 1

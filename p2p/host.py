@@ -293,12 +293,14 @@ class Host:
         return self._run_sync(lambda: [p.to_base58() for p in self._host.get_network().connections])
 
     def request(
-        self, peer: str, protocol: str, message: dict[str, Any], timeout: float = 30.0, min_rate: float | None = None
-    ) -> dict[str, Any]:
+        self, peer: str, protocol: str, message: dict[str, Any], timeout: float = 30.0, min_rate: float | None = None,
+        max_reply: int | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         """Send one frame to `peer` (a peer id we are connected to, or a full multiaddr) and return its reply.
 
         `timeout` bounds the whole exchange; with `min_rate` (bytes/s) a long reply whose header came in time
         may take longer, as long as its body arrives at that rate at least (a chunk from a slow uplink).
+        `max_reply`: the largest reply accepted, in bytes (else the host's max_frame).
         Raises PeerUnavailable (retryable) or RemoteError (the peer refused).
         """
         if peer.startswith("/"):
@@ -320,7 +322,7 @@ class Host:
                         if echo != f"{expected}\n":
                             raise UnsupportedProtocol(f"{peer[-8:]} answered {echo.strip()[:80]!r} to {expected}")
                     stream.set_protocol(TProtocol(protocol))
-                    reply = await self._read(stream, scope if min_rate else None, min_rate or 0.0)
+                    reply = await self._read(stream, scope if min_rate else None, min_rate or 0.0, max_reply)
             except BaseException:
                 # reset, shielded: this runs in the scope that timed out (or was cancelled), where an
                 # unshielded clean-up is cancelled too and the stream keeps one of the connection's slots
@@ -470,14 +472,17 @@ class Host:
             await self._up.take(len(piece))
             await stream.write(piece)
 
-    async def _read(self, stream: Any, scope: trio.CancelScope | None = None, min_rate: float = 0.0) -> dict[str, Any]:
-        """A reply to our own request (from a peer we chose to ask): the host's max_frame bounds it. With
-        `scope`, its deadline is pushed back to give the body length / min_rate seconds once the header is in."""
-        length, flags = parse_header(await self._read_exactly(stream, HEADER.size), self.config.max_frame)
+    async def _read(
+        self, stream: Any, scope: trio.CancelScope | None = None, min_rate: float = 0.0, max_reply: int | None = None
+    ) -> dict[str, Any]:
+        """A reply to our own request (from a peer we chose to ask): `max_reply` or the host's max_frame bounds it.
+        With `scope`, its deadline is pushed back to give the body length / min_rate seconds once the header is in."""
+        limit = min(max_reply or self.config.max_frame, self.config.max_frame)
+        length, flags = parse_header(await self._read_exactly(stream, HEADER.size), limit)
         if scope is not None:
             scope.deadline = max(scope.deadline, trio.current_time() + length / min_rate)
         body = await self._read_exactly(stream, length)
-        return await trio.to_thread.run_sync(decode_body, body, flags, FrameLimits(max_bytes=self.config.max_frame))
+        return await trio.to_thread.run_sync(decode_body, body, flags, FrameLimits(max_bytes=limit))
 
     async def _read_exactly(self, stream: Any, n: int) -> bytes:
         parts, got = [], 0

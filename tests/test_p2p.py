@@ -17,7 +17,7 @@ from libp2p.stream_muxer import muxer_multistream
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
 import p2p.broadcast
-from p2p.broadcast import CHUNK, BroadcastPeer, ChunkServer, ChunkStore, Seeder, VersionDropped, bitmap
+from p2p.broadcast import CHUNK, HAVE, BroadcastPeer, ChunkServer, ChunkStore, Seeder, VersionDropped, bitmap
 from p2p.codec import CodecError, bf16_bits, bf16_to_f32, chunk_size_for, split_chunks
 from p2p.host import (
     BadRequest,
@@ -600,6 +600,27 @@ def test_tampered_chunk_is_detected_and_fetched_elsewhere(hosts):
     assert rebuild_raw(m, honest.fetch(m, timeout=60)) == raw
     assert honest.stats["bad_chunks"] >= 1
     assert honest.penalties[evil_host.peer_id] >= 1
+
+
+def test_a_stranger_that_claims_every_chunk_is_not_asked(hosts):
+    """Anyone may send a worker a have-map; only listed peers (dialled back by the learner) are asked for
+    chunks, so a stranger claiming everything cannot hold a worker's requests."""
+    learner, stranger = hosts(), hosts()
+    pv, raw = random_version(learner.key, learner.peer_id, mb=2)
+    Seeder(learner, ChunkStore()).publish(pv)
+    honest = BroadcastPeer(hosts(), ChunkStore(), learner.addrs[0])
+    honest.join()
+    store = ChunkStore()
+    store.add_version(pv)
+    lure = ChunkServer(stranger, store)
+    m = honest.fetch_manifest()
+    honest.store.add_manifest(m)
+    every = bitmap(set(range(len(m.chunks))), len(m.chunks))
+    lure_map = {"version": m.version, "have": every, "run_id": m.run_id, "full": True}
+    stranger.request(honest.host.addrs[0], HAVE, lure_map)
+    assert honest.peer_have[stranger.peer_id][m.version] == set(range(len(m.chunks)))  # heard, but not trusted
+    assert rebuild_raw(m, honest.fetch(m, timeout=60)) == raw
+    assert lure.chunks_served == 0 and honest.stats["from_peers"] == 0
 
 
 def test_peer_killed_mid_transfer_does_not_stop_the_others():

@@ -1,7 +1,7 @@
 """Rollout intake: one submission from the wire to the replay buffer.
 
     validate (p2p.messages.RolloutSubmission: schema, counts, token ids, lengths, logprob range)
-    -> a resend of a submission taken (the worker lost our reply)? the same reply again, nothing counted
+    -> the same submission sent again (the worker lost our reply)? the same reply, nothing counted twice
     -> close the lease (a replay, even a concurrent one, is a duplicate before any work is done)
     -> check against the lease (its groups in order, a version it may use)
     -> verify the groups chosen for checking (learner.orchestrate.verify; a mismatch flags the worker)
@@ -13,11 +13,14 @@ own (a full disk under the journal) is answered as an internal error, never as t
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import threading
 import time
 from collections import OrderedDict
+
+import msgpack
 
 from envs.episode import ReplayError
 from learner.config import LearnerConfig
@@ -39,6 +42,7 @@ from p2p.messages import GenerationRequest, MessageError, RolloutReply, RolloutS
 from p2p.wire import FrameLimits
 
 ANSWERED_KEPT = 1024  # replies to submissions kept, so that a worker's resend gets the same answer
+RESEND_WAIT = 120.0  # seconds a resend waits for the answer to its first sending, still being checked
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +90,12 @@ class RolloutIntake:
         self.tokens_accepted = 0  # sampled tokens of all accepted rollouts: mean length turns tokens/s to rollouts/s
         self.episodes = episode_rules(prompts.task)  # a multi-turn environment's rules, or None
         self._lock = threading.Lock()
-        # lease -> (worker, our reply) of the last ANSWERED_KEPT submissions taken: a worker that lost our reply
-        # (a cut link) sends its rollouts again, and gets the same answer with nothing counted twice
-        self._answered: OrderedDict[int, tuple[str, RolloutReply]] = OrderedDict()
+        # lease -> (worker, digest of what it sent, our reply) of the last ANSWERED_KEPT submissions taken: a worker
+        # that lost our reply (a cut link) sends the same rollouts again and gets the same answer, nothing counted
+        # twice; anything else for a closed lease is a replay. A resend that arrives while the first is still being
+        # checked waits for its answer (_checking: lease -> worker, digest, set when answered)
+        self._answered: OrderedDict[int, tuple[str, bytes, RolloutReply]] = OrderedDict()
+        self._checking: dict[int, tuple[str, bytes, threading.Event]] = {}
 
     def submit(self, worker: WorkerRecord, msg: dict) -> RolloutReply:
         arrived = time.monotonic()  # the worker's lease time ends here, not after our own checks
@@ -106,15 +113,18 @@ class RolloutIntake:
             raise
         if peer in self.verifier.flagged:
             raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
-        with self._lock:
-            answered = self._answered.get(submission.lease)
-        if answered is not None and answered[0] == peer:
-            return answered[1]
+        digest = hashlib.sha256(msgpack.packb(msg)).digest()
+        resend = self._resent(submission.lease, peer, digest)
+        if resend is not None:
+            return resend
         try:  # closing the lease first makes a replay, even a concurrent one, a duplicate before any work
             lease = self.leases.complete(submission.lease, peer)
         except LeaseError as exc:  # a replay or someone else's lease is an offence; a late one is not
             worker.refused += 1
             raise (Misbehaviour if exc.reason in ("duplicate", "not_owner") else BadRequest)(str(exc)) from None
+        done = threading.Event()
+        with self._lock:
+            self._checking[lease.lease_id] = (peer, digest, done)
         try:
             reply = self._take(worker, lease, submission, arrived)
         except BaseException as exc:  # refused, or our own failure (a full disk): its prompts go out again
@@ -122,11 +132,27 @@ class RolloutIntake:
                 worker.refused += 1
             self.leases.release(lease)
             raise
-        with self._lock:
-            self._answered[lease.lease_id] = (peer, reply)
-            while len(self._answered) > ANSWERED_KEPT:
-                self._answered.popitem(last=False)
+        else:
+            with self._lock:
+                self._answered[lease.lease_id] = (peer, digest, reply)
+                while len(self._answered) > ANSWERED_KEPT:
+                    self._answered.popitem(last=False)
+        finally:
+            with self._lock:
+                self._checking.pop(lease.lease_id, None)
+            done.set()
         return reply
+
+    def _resent(self, lease_id: int, peer: str, digest: bytes) -> RolloutReply | None:
+        """Our reply to the submission `peer` sent for `lease_id` if this is the same one sent again (waiting
+        while the first is still being checked), else None."""
+        with self._lock:
+            checking = self._checking.get(lease_id)
+        if checking is not None and checking[:2] == (peer, digest):
+            checking[2].wait(RESEND_WAIT)
+        with self._lock:
+            answered = self._answered.get(lease_id)
+        return answered[2] if answered is not None and answered[:2] == (peer, digest) else None
 
     def _take(self, worker: WorkerRecord, lease: Lease, submission: RolloutSubmission, arrived: float) -> RolloutReply:
         """Check, score, verify, journal and buffer a submission whose lease is closed. Scoring comes before the

@@ -16,6 +16,7 @@ repeated from the same identity until it is flagged, at most `tries` times, and 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import socket
@@ -300,7 +301,7 @@ class Adversary:
             ("rollout for someone else's lease", "refused, penalty", self._theft),
             (
                 "replay of an accepted submission",
-                "refused as a duplicate, penalty; verified count unchanged",
+                "the same again: the same answer; altered: refused as a duplicate, penalty; counts unchanged",
                 self._replay,
             ),
             (
@@ -451,20 +452,29 @@ class Adversary:
         )
 
     def _replay(self) -> tuple[str, bool, dict]:
+        """The same submission again is what a worker that lost our reply sends: it gets the same answer and
+        nothing is counted twice. Anything else for a lease already closed is a replay: refused, a penalty."""
         host = self.fresh()
         lease = self.lease(host)
         groups = self.sample(lease)
-        self.submit(host, lease, groups)
-        verified = {p["peer_id"]: p["verified"] for p in self.status()["peers"]}.get(host.peer_id, 0)
-        refusals = []
-        for _ in range(3):
-            try:
-                self.submit(host, lease, groups)
-            except RemoteError as exc:
-                refusals.append(str(exc))
-        after = {p["peer_id"]: p["verified"] for p in self.status()["peers"]}.get(host.peer_id, 0)
-        ok = len(refusals) == 3 and all("duplicate" in r for r in refusals) and after == verified
-        return f"3 replays refused as duplicates; verified groups {verified} -> {after}", ok, {}
+        first = self.submit(host, lease, groups)
+
+        def counts() -> tuple[int, int]:
+            row = {p["peer_id"]: p for p in self.status()["peers"]}.get(host.peer_id, {})
+            return row.get("verified", 0), row.get("groups_accepted", 0)
+
+        before = counts()
+        again = [self.submit(host, lease, groups) for _ in range(3)]
+        altered = [[dataclasses.replace(c, logprobs=[lp - 0.01 for lp in c.logprobs]) for c in g] for g in groups]
+        try:
+            self.submit(host, lease, altered)
+            refused = ""
+        except RemoteError as exc:
+            refused = str(exc)
+        after = counts()
+        ok = all(a == first for a in again) and "duplicate" in refused and after == before
+        seen = f"3 resends answered {first}, an altered one refused ({refused[:40]}); counts {before} -> {after}"
+        return seen, ok, {}
 
     def _unsampled(self, lease: dict, groups: list[list[Completion]]) -> list[list[Completion]]:
         rng = random.Random(lease["id"])
