@@ -298,7 +298,7 @@ class Seeder(ChunkServer):
         self._announcer.close()
 
     def _on_join(self, peer: str, msg: dict) -> dict:
-        return {"peers": self.registry.join(peer, msg.get("addrs"))}
+        return {"peers": self.registry.join(peer, msg.get("addrs")), "dialling_out": self.registry.dialling_out(peer)}
 
     def _on_chunk(self, peer: str, msg: dict) -> dict:
         return self._on_claim(peer, msg) if "want" in msg else super()._on_chunk(peer, msg)
@@ -412,6 +412,7 @@ class BroadcastPeer(ChunkServer):
         self._peers_changed = threading.Condition()
         self._traders = ThreadPoolExecutor(max_workers=8, thread_name_prefix="have")  # have-map trades at once
         self.on_announce: Callable[[int], None] | None = None  # told of each version the learner announces
+        self.dialling_out: set[str] = set()  # peers the learner says joined but cannot be dialled (behind NAT)
         host.handle(ANNOUNCE, self._on_announce)
 
     def join(self, timeout: float = 10.0, learner: str | None = None) -> None:
@@ -422,6 +423,9 @@ class BroadcastPeer(ChunkServer):
         announce = [a for a in self.announce or self.host.addrs if self._own_addr(a)][:MAX_ADDRS]
         reply = self.host.request(learner or self.learner_addr, JOIN, {"addrs": announce}, timeout=timeout)
         self.refresh_peers(reply.get("peers") if isinstance(reply, dict) else None)
+        out = reply.get("dialling_out") if isinstance(reply, dict) else None
+        if isinstance(out, list):  # joined peers nobody can dial: asked only over a connection they opened to us
+            self.dialling_out = {p for p in out[:MAX_PEERS] if isinstance(p, str)}
 
     def _on_announce(self, peer: str, msg: dict) -> dict:
         """The learner published a version: say so to whoever listens (the worker's fetcher syncs at once)."""
@@ -644,6 +648,11 @@ class BroadcastPeer(ChunkServer):
     def _alive(self, peer: str) -> bool:
         return self.dead_until.get(peer, 0.0) < time.monotonic() and self.penalties[peer] < PENALTY_LIMIT
 
+    def _known(self, peer: str) -> bool:
+        """Whether the learner vouches for `peer`: listed, or joined from behind a NAT (then reachable only over
+        a connection it opened to us). Only such peers are asked for chunks."""
+        return peer in self.peers or peer in self.dialling_out
+
     def fetch(self, manifest: Manifest, timeout: float = 600.0, stop: threading.Event | None = None) -> list[bytes]:
         """Download every chunk of `manifest` (already verified), serving what we hold meanwhile.
 
@@ -675,7 +684,7 @@ class BroadcastPeer(ChunkServer):
                     and not fetch.claims
                     and not self._alive(self.learner)
                     and not any(
-                        p in self.peers and self._alive(p) and maps.get(version, set()) - held
+                        self._known(p) and self._alive(p) and maps.get(version, set()) - held
                         for p, maps in list(self.peer_have.items())
                     )
                 ):
@@ -706,9 +715,9 @@ class BroadcastPeer(ChunkServer):
         version, n = fetch.manifest.version, len(fetch.manifest.chunks)
         holders: dict[int, list[str]] = defaultdict(list)
         for peer, maps in list(self.peer_have.items()):
-            # only listed peers (the learner dialled them back): anyone can send us a have-map, and a stranger
-            # that claims every chunk and answers slowly would hold our requests
-            if peer in self.peers and self._alive(peer):
+            # only peers the learner knows (listed, or joined from behind a NAT and connected to us): anyone can
+            # send us a have-map, and a stranger that claims every chunk and answers slowly would hold our requests
+            if self._known(peer) and self._alive(peer):
                 for i in maps.get(version, ()):
                     holders[i].append(peer)
         wanted = [i for i in range(n) if i not in held and i not in fetch.inflight]

@@ -267,6 +267,12 @@ class PeerRegistry:
         with self._lock:
             return list(self._registry)
 
+    def dialling_out(self, joiner: str) -> list[str]:
+        """The peers besides `joiner` that joined but whose addresses the dial-back did not reach (behind a
+        NAT, or not checked yet): nobody can dial them, but a peer they dialled may fetch from them."""
+        with self._lock:
+            return [p for p, entry in self._registry.items() if p != joiner and not entry.verified]
+
     def listed(self, peer: str) -> list[str]:
         """The addresses of `peer` that later joiners are given (those its dial-back reached)."""
         with self._lock:

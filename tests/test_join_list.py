@@ -141,7 +141,7 @@ def test_silent_addresses_are_dialled_back_in_the_background_and_never_handed_ou
         addrs = [f"/ip4/127.0.0.1/tcp/{s.port}/p2p/{attacker.peer_id}" for s in silent]
         addrs += [f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{attacker.peer_id}" for _ in range(4)]
         reply = attacker.request(learner.addrs[0], JOIN, {"addrs": addrs}, timeout=WAIT)
-        assert reply == {"peers": {}}
+        assert reply["peers"] == {}
         assert seeder.dial_back.pending >= 4  # the join was answered while its silent addresses hang
         assert all(s.dialled() for s in silent)  # the learner did dial them back
         later.join()  # while they hang: nothing of the attacker's is handed out
