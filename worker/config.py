@@ -39,7 +39,7 @@ class WorkerConfig:
     name: str = ""
     """This worker's name on this machine: its own identity and work dir (worker-NAME.key, worker-NAME)."""
     gpu: int = -1
-    """GPU to run on (CUDA_VISIBLE_DEVICES=N; -1: whatever the environment says); names the worker gpuN."""
+    """GPU index to run on (-1: as the environment says); also names the worker gpuN."""
     identity: str = DEFAULT_IDENTITY
     """ed25519 identity file (created if missing); one worker process at a time may hold it."""
     work_dir: str = DEFAULT_WORK_DIR
@@ -47,7 +47,7 @@ class WorkerConfig:
     listen: str = "/ip4/0.0.0.0/tcp/0"
     """Multiaddr to listen on for other workers (0.0.0.0: every interface, each announced)."""
     announce: str = ""
-    """Address to announce instead, e.g. a port forwarded on the router: /ip4/203.0.113.7/tcp/4001."""
+    """Address to announce instead (a port forwarded on your router), e.g. /ip4/1.2.3.4/tcp/99."""
     secret_file: str = ""
     """File holding the swarm secret, if the learner requires one."""
     allow_env: str = ""
