@@ -47,9 +47,11 @@ class Swarm:
         return proc
 
     def worker(self, name: str, *args: str, within: Sequence[str] = ()) -> subprocess.Popen:
+        # on loopback unless a test says otherwise (a worker listens on every interface by default)
+        listen = () if "--listen" in args else ("--listen", "/ip4/127.0.0.1/tcp/0")
         return self.spawn(
             name, "worker", "join", "--learner", self.addr, "--identity", str(self.tmp / f"{name}.key"),
-            "--work-dir", str(self.tmp / name), *args, within=within,
+            "--work-dir", str(self.tmp / name), *listen, *args, within=within,
         )  # fmt: skip
 
     def log(self, name: str) -> str:
