@@ -34,5 +34,6 @@ if __name__ == "__main__":
     args = dict(zip(sys.argv[2::2], sys.argv[3::2], strict=True))
     setup_logging(False)
     daemon.play_episodes = forged_play
-    cfg = WorkerConfig(learner=args["--learner"], identity=args["--identity"], work_dir=args["--work-dir"])
+    cfg = WorkerConfig(learner=args["--learner"], identity=args["--identity"], work_dir=args["--work-dir"],
+                       listen="/ip4/127.0.0.1/tcp/0")  # fmt: skip
     daemon.WorkerDaemon(cfg).run()

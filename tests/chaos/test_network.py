@@ -137,7 +137,7 @@ def test_worker_cut_off_from_the_learner_but_not_its_peers(swarm):
         via_relay = swarm.addr.replace(f"/tcp/{port}/", f"/tcp/{relay.port}/")
         cut = swarm.spawn(
             "cut", "worker", "join", "--learner", via_relay, "--identity", str(swarm.tmp / "cut.key"),
-            "--work-dir", str(swarm.tmp / "cut"), "--max-groups", "1",
+            "--work-dir", str(swarm.tmp / "cut"), "--max-groups", "1", "--listen", "/ip4/127.0.0.1/tcp/0",
         )  # fmt: skip
         procs = [("learner", learner), ("steady", steady), ("cut", cut)]
         wait_for(lambda: swarm.log("cut").count("now on v") >= 2, 180, "the worker behind the relay to work", procs)
