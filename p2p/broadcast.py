@@ -830,8 +830,9 @@ class BroadcastPeer(ChunkServer):
             try:
                 reply = self.host.request(peer, HAVE, ask, timeout=5)
             except (PeerUnavailable, RemoteError):
-                if peer != self.learner_addr:
-                    self.dead_until[peer] = time.monotonic() + DEAD_FOR
+                # a learner that refuses us (restarted, it forgot our authentication) rests like any peer: its
+                # trades every HAVE_REFRESH would each count against us until the worker authenticates again
+                self.dead_until[self.learner if peer == self.learner_addr else peer] = time.monotonic() + DEAD_FOR
                 return
             if peer == self.learner_addr:
                 return
@@ -845,7 +846,8 @@ class BroadcastPeer(ChunkServer):
             else:
                 self.peer_have[peer][version] = have
 
-        list(self._traders.map(trade, [self.learner_addr, *(p for p in list(self.peers) if self._alive(p))]))
+        learner = [self.learner_addr] if self._alive(self.learner) else []
+        list(self._traders.map(trade, [*learner, *(p for p in list(self.peers) if self._alive(p))]))
         if time.monotonic() - self._last_join > 2.0:  # learn about peers that joined after us, and who left
             self._last_join = time.monotonic()
             try:
