@@ -22,9 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from echo_cli.netlab import Site, Wan, missing  # noqa: E402
-
-MBIT = 1e6 / 8
+from echo_cli.bench_broadcast import wan_sites  # noqa: E402
+from echo_cli.netlab import Wan, missing  # noqa: E402
 
 
 def main() -> None:
@@ -42,9 +41,7 @@ def main() -> None:
         sys.exit(f"bench_wan_swarm needs network namespaces: {why}")
     lo, hi = (float(x) for x in args.rtt.split("-"))
     n = args.workers
-    rtts = [lo + (hi - lo) * k / max(n - 1, 1) for k in range(n)]
-    sites = [Site(delay_ms=1.0, up=args.up * MBIT)]
-    sites += [Site(delay_ms=max(r / 2 - 1, 0), up=args.up * MBIT, nat=k >= n - args.nat) for k, r in enumerate(rtts)]
+    sites = wan_sites(n, (lo, hi), args.nat, args.up, args.up, None, 0.0)  # the broadcast benchmark's layout
     echo = [sys.executable, "-m", "echo_cli"]
     wan = Wan(sites)
     procs: list[subprocess.Popen] = []

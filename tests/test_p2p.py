@@ -55,11 +55,7 @@ def tensors_of_bits(mb: float, seed: int = 0) -> dict:
 
 
 def random_version(key, signer, mb=3.0, version=1, seed=0):
-    rng = np.random.default_rng(seed)
-    tensors = {
-        "w": rng.integers(0, 2**16, int(mb * 2**20) // 2, dtype=np.uint16),
-        "b": rng.normal(size=7).astype(np.float32),
-    }
+    tensors = tensors_of_bits(mb, seed) | {"b": np.random.default_rng(seed + 1).normal(size=7).astype(np.float32)}
     pv, raw = build_version("run", version, tensors, {"w": "bf16"}, chunk_size=2**20)
     pv.manifest = pv.manifest.signed(key, signer)
     return pv, raw
