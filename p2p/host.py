@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +73,8 @@ Handler = Callable[[str, dict[str, Any]], dict[str, Any]]
 # few (heartbeat, have-maps, claims) before it authenticates again, and must not be banned for them
 UNAUTHORIZED_WEIGHT = 0.1
 MAX_OBSERVED = 4096  # peers whose observed address a host remembers
+MAX_BOOK = 4096  # peers whose dial addresses a host remembers
+MAX_ADDRS = 4  # addresses remembered per peer
 CLEANUP_TIMEOUT = 5.0  # seconds closing or resetting a stream may take (a dead link must not hold the caller)
 
 
@@ -152,6 +154,10 @@ class Host:
         # for a worker behind one); the MAX_OBSERVED most recent peers
         self.observed: dict[str, str] = {}
         self._slots: dict[str, trio.Semaphore] = {}  # protocol -> its answer slots (handle(concurrency=...))
+        # peer -> the addresses that reached it (connect), the last that answered first; the MAX_BOOK most
+        # recent peers (trio thread only)
+        self._book: dict[str, list[multiaddr.Multiaddr]] = {}
+        self._dial_locks: dict[str, trio.Lock] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -225,23 +231,16 @@ class Host:
             raise
 
     def connect(self, addr: str, timeout: float = 10.0) -> str:
-        """Dial a full multiaddr (ending in /p2p/PEER_ID); returns the peer id."""
+        """Dial a full multiaddr (ending in /p2p/PEER_ID) unless connected to that peer; returns the peer id.
+        The address is remembered: requests to the peer id redial it (see _connection)."""
         try:
             info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
         except Exception as exc:  # noqa: BLE001
             raise ValueError(f"{addr!r} is not a multiaddr ending in /p2p/PEER_ID ({exc})") from None
 
         async def dial() -> None:
-            network = self._host.get_network()
-            known = network.get_connections(info.peer_id)
-            if not [c for c in known if c is not None and not getattr(c, "is_closed", False)]:
-                if known:  # closed connections linger in py-libp2p's table, and while they do it dials no more
-                    await network.close_peer(info.peer_id)  # (a restarted learner: "no valid connections")
-                # py-libp2p refuses to redial a peer for 60 s after a failed dial; our callers retry with
-                # their own backoff (a worker waiting for a restarted learner), so lift that block
-                network.unblock_peer(info.peer_id)
             with trio.fail_after(timeout):
-                await self._host.connect(info)
+                await self._connection(info.peer_id, info.addrs[:1])
 
         try:
             self._run(dial)
@@ -250,6 +249,45 @@ class Host:
         except Exception as exc:  # noqa: BLE001 - timeouts, refused dials, failed handshakes
             raise PeerUnavailable(f"cannot reach {addr}: {type(exc).__name__}: {exc}") from None
         return info.peer_id.to_base58()
+
+    async def _connection(self, peer: ID, first: Sequence[multiaddr.Multiaddr] = ()) -> None:
+        """Make sure there is a live connection to `peer`, dialling `first`, then the addresses that reached
+        it before (connect), until one answers. Only those: py-libp2p would also dial the addresses a peer
+        announces of itself in identify (which replace the ones we gave it), so that a worker cut from its
+        learner's address would reach it by another, and a hostile peer could have us dial any address it
+        names. The caller bounds the time."""
+        key = peer.to_base58()
+        lock = self._dial_locks.setdefault(key, trio.Lock())  # one dial per peer at a time
+        try:
+            async with lock:
+                network = self._host.get_network()
+                known = network.get_connections(peer)
+                if [c for c in known if c is not None and not getattr(c, "is_closed", False)]:
+                    return
+                if known:  # closed connections linger in py-libp2p's table, and while they do it dials no more
+                    await network.close_peer(peer)  # (a restarted learner: "no valid connections")
+                addrs = list(dict.fromkeys([*first, *self._book.get(key, [])]))
+                if not addrs:
+                    raise PeerUnavailable(f"not connected to {key[-8:]} and no address to dial it at")
+                failures = []
+                for addr in addrs:
+                    try:
+                        conn = await network.dial_addr(addr, peer)
+                        started = getattr(conn, "event_started", None)
+                        if started is not None:  # muxer and stream handlers running
+                            await started.wait()
+                    except Exception as exc:  # noqa: BLE001 - refused, unreachable, another peer's key
+                        failures.append(f"{addr}: {type(exc).__name__}: {exc}")
+                        continue
+                    self._book.pop(key, None)  # most recent last; the address that answered first
+                    self._book[key] = [addr, *[a for a in self._book.get(key, []) if a != addr]][:MAX_ADDRS]
+                    if len(self._book) > MAX_BOOK:
+                        self._book.pop(next(iter(self._book)))
+                    return
+                raise PeerUnavailable(f"cannot reach {key[-8:]}: {'; '.join(failures)[:500]}")
+        finally:
+            if not lock.locked() and lock.statistics().tasks_waiting == 0:
+                self._dial_locks.pop(key, None)
 
     def dial_back(self, addr: str, timeout: float) -> None:
         """Dial exactly `addr` (ending in /p2p/PEER_ID; no other address known for that peer), check that the
@@ -311,7 +349,13 @@ class Host:
             stream = None
             try:
                 with trio.fail_after(timeout) as scope:
-                    stream = await self._host.get_network().new_stream(ID.from_base58(peer))
+                    peer_id = ID.from_base58(peer)
+                    await self._connection(peer_id)
+                    # py-libp2p's new_stream dials a peer it has no connection to at the addresses in its
+                    # peerstore, which identify fills with the ones the peer announces: leave it none
+                    with contextlib.suppress(Exception):
+                        self._host.get_peerstore().clear_addrs(peer_id)
+                    stream = await self._host.get_network().new_stream(peer_id)
                     # the request goes out with the protocol it is for, without waiting for multistream-select's
                     # echoes (go-libp2p's lazy negotiation): one round trip, not three. The far end reads the
                     # header, the protocol, then the request, in order; its echoes are checked before the reply

@@ -29,6 +29,7 @@ class Swarm:
         if ranks > 1:  # data-parallel learner: torchrun starts `ranks` processes
             launch += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
         proc = subprocess.Popen([*launch, "-m", "echo_cli", *args], stdout=log, stderr=log, cwd=ROOT, env=env)
+        proc.log_path = log.name  # for a failing test to show what the process said
         self.procs.append(proc)
         return proc
 

@@ -221,6 +221,45 @@ def test_hosts_dial_only_whom_they_choose(hosts):
         assert host._host.get_network().auto_connector._started is False
 
 
+def test_a_peer_is_redialled_only_at_the_addresses_we_chose(hosts):
+    """identify replaces the addresses we dialled a peer at with the ones it announces of itself; py-libp2p
+    would redial those, so a worker whose path to its learner was cut reached it by another (and a hostile
+    peer could have us dial any address it names). A request to a peer id redials only the addresses that
+    reached it (Host.connect)."""
+    from tests.chaos.test_network import Relay
+
+    far, near = hosts(), hosts()
+    far.handle("/echo/test/1", lambda peer, msg: {"echo": msg["x"]})
+    port = int(far.addrs[0].split("/tcp/")[1].split("/")[0])
+    relay = Relay(port)
+    try:
+        via_relay = far.addrs[0].replace(f"/tcp/{port}/", f"/tcp/{relay.port}/")
+        assert near.request(via_relay, "/echo/test/1", {"x": 1})["echo"] == 1
+        def announced() -> list:
+            try:
+                return near._host.get_peerstore().addrs(ID.from_base58(far.peer_id))
+            except Exception:  # noqa: BLE001 - py-libp2p raises for a peer it holds nothing of
+                return []
+
+        deadline = time.monotonic() + 10  # identify has taught the peerstore far's own address
+        while not near._run_sync(announced):
+            assert time.monotonic() < deadline, "identify never ran"
+            time.sleep(0.05)
+        relay.cut()
+        deadline = time.monotonic() + 10  # the cut connection is noticed
+        while far.peer_id in near.connected_peers():
+            assert time.monotonic() < deadline, "the cut connection stayed open"
+            time.sleep(0.05)
+        with pytest.raises(PeerUnavailable):
+            near.request(far.peer_id, "/echo/test/1", {"x": 2}, timeout=5)
+        with pytest.raises(PeerUnavailable):
+            near.request(via_relay, "/echo/test/1", {"x": 3}, timeout=5)
+        assert near.request(far.addrs[0], "/echo/test/1", {"x": 4})["echo"] == 4  # an address we name: dialled
+        relay.restore()
+    finally:
+        relay.close()
+
+
 def test_oversized_frame_is_refused(hosts):
     a = hosts(HostConfig(max_frame=1000))
     b = hosts()

@@ -12,12 +12,23 @@ from tests.test_distributed import check_accounting
 
 
 def wait_for(condition, timeout: float, what: str, procs=()) -> None:
+    """Wait for condition(); a process in `procs` that exits, or the timeout, fails the test with the tails of
+    the processes' logs (what a CI failure needs to be understood)."""
     deadline = time.monotonic() + timeout
     while not condition():
         for name, proc in procs:
-            assert proc.poll() is None, f"{name} exited while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            assert proc.poll() is None, f"{name} exited while waiting for {what}{log_tails(procs)}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}{log_tails(procs)}"
         time.sleep(0.05)
+
+
+def log_tails(procs, chars: int = 2500) -> str:
+    tails = []
+    for name, proc in procs:
+        path = getattr(proc, "log_path", None)
+        if path is not None and Path(path).exists():
+            tails.append(f"\n--- {name}'s log, last {chars} characters ---\n{Path(path).read_text()[-chars:]}")
+    return "".join(tails)
 
 
 def steps_done(swarm) -> int:
