@@ -13,6 +13,7 @@ from typer.core import TyperGroup
 
 from echo_cli.bench_commands import bench_app
 from echo_cli.config import load_config, with_config_flags
+from echo_cli.help import EchoTyper
 from echo_cli.live import show_learner, show_worker
 from echo_cli.research import eval_command, export_command
 from echo_cli.terminal import console, fail, setup_logging, user_errors
@@ -31,14 +32,14 @@ class CommandsInOrder(TyperGroup):
         return sorted(names, key=lambda n: self.ORDER.index(n) if n in self.ORDER else len(self.ORDER))
 
 
-app = typer.Typer(
+app = EchoTyper(
     cls=CommandsInOrder,
     no_args_is_help=True,
     add_completion=False,
     help="Distributed GRPO post-training with a rollout swarm.",
 )
-learner_app = typer.Typer(no_args_is_help=True, help="The training node.")
-worker_app = typer.Typer(no_args_is_help=True, help="A rollout worker for a learner's swarm.")
+learner_app = EchoTyper(no_args_is_help=True, help="The training node.")
+worker_app = EchoTyper(no_args_is_help=True, help="A rollout worker for a learner's swarm.")
 app.add_typer(learner_app, name="learner")
 app.add_typer(worker_app, name="worker")
 app.add_typer(bench_app, name="bench")

@@ -6,10 +6,11 @@ import json
 
 import typer
 
+from echo_cli.help import EchoTyper
 from echo_cli.terminal import console, fail, setup_logging, user_errors
 from learner.config import SwarmConfig
 
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print measured figures.")
+bench_app = EchoTyper(no_args_is_help=True, help="Benchmarks that print measured figures.")
 
 
 @bench_app.command("sampler")

@@ -139,9 +139,9 @@ def test_a_checkpoint_that_cannot_be_written_stops_with_one_line(tmp_path):
 
 
 def test_help_shows_tables_types_and_defaults():
-    """`learner start --help` and `worker join --help` show every config table as a panel, each option's
-    type and its default (rich must not eat `[run]` as markup), and `echo-rl --help` lists the commands in
-    the order a user meets them."""
+    """`learner start --help` and `worker join --help` show every config table as a section, each option's
+    type and its default (`\\[run]`, written for rich's markup, reads `[run]`), and `echo-rl --help` lists
+    the commands in the order a user meets them."""
     from echo_cli.config import sections
     from learner.config import LearnerConfig
     from worker.config import WorkerRootConfig
@@ -151,7 +151,8 @@ def test_help_shows_tables_types_and_defaults():
         assert res.returncode == 0, res.stderr
         for table, cls in sections(root).items():
             assert f"[{table}] table" in res.stdout, table
-            assert "[" + table + "]" in next(ln for ln in res.stdout.splitlines() if "--config" in ln)
+            options = res.stdout[res.stdout.index("--config") : res.stdout.index("--help")]
+            assert "[" + table + "]" in options, options
             defaults = cls()
             for field in dataclasses.fields(cls):
                 if field.type in ("int", "float"):  # each one's line names its type and its default
@@ -166,3 +167,30 @@ def test_help_shows_tables_types_and_defaults():
         for name in ("learner", "worker", "status", "report", "eval", "export", "plan", "simulate", "bench", "secret")
     ]
     assert order == sorted(order), top
+
+
+def test_every_help_reads_whole_at_80_columns():
+    """No option name cut ("--grad-checkpointi…", #34) and no line wider than the terminal, for every command
+    and group (echo_cli.help)."""
+    import click
+    import typer
+
+    from echo_cli.app import app
+
+    def commands(command, path):
+        yield path
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from commands(sub, [*path, name])
+
+    for path in commands(typer.main.get_command(app), []):
+        res = run_cli(*path, "--help", columns=80)
+        assert res.returncode == 0, (path, res.stderr)
+        lines = res.stdout.splitlines()
+        assert "…" not in res.stdout and max(map(len, lines)) <= 80, (path, res.stdout)
+        command = typer.main.get_command(app)
+        for name in path:
+            command = command.commands[name]
+        if not isinstance(command, click.Group) and not hasattr(command, "commands"):
+            for param in command.params:  # every option's every name is there whole
+                for flag in [*param.opts, *param.secondary_opts]:
+                    assert flag in res.stdout, (path, flag)
