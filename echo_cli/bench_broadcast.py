@@ -119,10 +119,21 @@ def node_main(argv: list[str]) -> None:
     rebuild_raw(manifest, chunks)  # raises unless every chunk and the whole are exact
     seconds = time.perf_counter() - start
     learner_done = peer.last_learner_chunk_at - mono
+    from_learner = {i: round(t - mono, 3) for i, t in peer.learner_chunk_at.items()}
     say(done=True, seconds=seconds, fetch_s=round(fetched, 2), verify_s=round(seconds - fetched, 2),
-        learner_done_s=round(learner_done, 2), verified=True, stats=peer.stats_dict())  # fmt: skip
+        learner_done_s=round(learner_done, 2), from_learner=from_learner, verified=True,
+        stats=peer.stats_dict())  # fmt: skip
     sys.stdin.readline()  # stop: keep serving until every peer is done
     host.stop()
+
+
+def every_chunk_out(results: list[dict], chunks: int) -> float:
+    """The latest, over chunks, of the first time any peer got that chunk from the learner (seconds)."""
+    first: dict[str, float] = {}
+    for r in results:
+        for index, t in r.get("from_learner", {}).items():  # (JSON keys are strings)
+            first[index] = min(first.get(index, t), t)
+    return max(first.values()) if len(first) == chunks else float("nan")
 
 
 def timed_versions(peer: Any, count: int, timeout: float = 300.0) -> dict[str, Any]:
@@ -279,6 +290,9 @@ def run_broadcast_bench(
         "speedup_vs_star": round(star / wall, 2),
         "learner_uploads_per_chunk": round(learner_chunks / info["chunks"], 2),
         "last_learner_chunk_s": round(max(r["learner_done_s"] for r in results), 2),
+        # when the last chunk to leave the learner for the first time arrived: the learner's uplink sent every
+        # chunk once by then (the rest of the time is relaying among peers, and the learner's copies)
+        "every_chunk_out_s": round(every_chunk_out(results, info["chunks"]), 2),
         "per_peer_s": sorted(round(r["seconds"], 1) for r in results),
         "rtt_to_learner_ms": [round(wan.rtt_ms(0, k + 1)) for k in range(peers)] if wan is not None else None,
         "behind_nat": sum(behind_nat),
