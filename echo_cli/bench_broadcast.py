@@ -120,20 +120,26 @@ def node_main(argv: list[str]) -> None:
     seconds = time.perf_counter() - start
     learner_done = peer.last_learner_chunk_at - mono
     from_learner = {i: round(t - mono, 3) for i, t in peer.learner_chunk_at.items()}
+    arrivals = sorted(t - mono for t in peer.chunk_at.values())
+    held_at = {f"{q:.0%}": round(arrivals[max(int(q * len(arrivals)) - 1, 0)], 1) for q in (0.25, 0.5, 0.75, 0.9, 1.0)}
     say(done=True, seconds=seconds, fetch_s=round(fetched, 2), verify_s=round(seconds - fetched, 2),
-        learner_done_s=round(learner_done, 2), from_learner=from_learner, verified=True,
+        learner_done_s=round(learner_done, 2), from_learner=from_learner, held_at=held_at, verified=True,
         stats=peer.stats_dict())  # fmt: skip
     sys.stdin.readline()  # stop: keep serving until every peer is done
     host.stop()
 
 
-def every_chunk_out(results: list[dict], chunks: int) -> float:
-    """The latest, over chunks, of the first time any peer got that chunk from the learner (seconds)."""
+def first_from_learner(results: list[dict], chunks: int) -> dict[str, float]:
+    """Seconds until the first 25%, 50%, ... of the chunks had each come from the learner to some peer (the
+    learner's uplink sends every chunk once; after "100%", peers relay and the learner sends copies)."""
     first: dict[str, float] = {}
     for r in results:
         for index, t in r.get("from_learner", {}).items():  # (JSON keys are strings)
             first[index] = min(first.get(index, t), t)
-    return max(first.values()) if len(first) == chunks else float("nan")
+    times = sorted(first.values())
+    if len(times) < chunks:
+        return {}
+    return {f"{q:.0%}": round(times[max(int(q * chunks) - 1, 0)], 2) for q in (0.25, 0.5, 0.75, 1.0)}
 
 
 def timed_versions(peer: Any, count: int, timeout: float = 300.0) -> dict[str, Any]:
@@ -194,17 +200,19 @@ def wan_sites(peers: int, rtt: tuple[float, float], nat: int, learner_up: float,
 def run_broadcast_bench(
     peers: int, size_mb: float, learner_up: float, peer_up: float, peer_down: float | None, mode: str, chunk_mib: float,
     upload_slots: int | None = None, rtt: tuple[float, float] | None = None, nat: int = 0, loss: float = 0.0,
-    versions: int = 0, every: float = 2.0,
+    versions: int = 0, every: float = 2.0, idle_restart: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """`chunk_mib` 0: the learner's own chunk size; `upload_slots` None: the nodes' own (0: all at once).
     With `rtt` (ms, lo and hi) every node runs on a site of an echo_cli.netlab.Wan whose links do the
     rate caps, delays and `loss`, the last `nat` peers behind NAT routers; else on 127.0.0.1, capped by the
-    hosts' own token buckets. With `versions`, the learner then publishes that many more versions of
-    `size_mb`, `every` seconds apart, and the result is each peer's time from publication to holding one."""
+    hosts' own token buckets; `idle_restart` False turns Linux's slow start after idle off on every site.
+    With `versions`, the learner then publishes that many more versions of `size_mb`, `every` seconds
+    apart, and the result is each peer's time from publication to holding one."""
     node = [sys.executable, "-m", "echo_cli.bench_broadcast", "node"]
     timed = ["--versions", str(versions), "--every", str(every)] if versions else []
     procs: list[subprocess.Popen] = []
-    wan = Wan(wan_sites(peers, rtt, nat, learner_up, peer_up, peer_down, loss)) if rtt is not None else None
+    tuning = () if idle_restart else ("net.ipv4.tcp_slow_start_after_idle=0",)
+    wan = Wan(wan_sites(peers, rtt, nat, learner_up, peer_up, peer_down, loss), sysctls=tuning) if rtt else None
 
     def spawn(args: list[str], site: int) -> tuple[subprocess.Popen, dict]:
         where = [*wan.exec_prefix(wan.ns[site])] if wan is not None else []
@@ -290,13 +298,13 @@ def run_broadcast_bench(
         "speedup_vs_star": round(star / wall, 2),
         "learner_uploads_per_chunk": round(learner_chunks / info["chunks"], 2),
         "last_learner_chunk_s": round(max(r["learner_done_s"] for r in results), 2),
-        # when the last chunk to leave the learner for the first time arrived: the learner's uplink sent every
-        # chunk once by then (the rest of the time is relaying among peers, and the learner's copies)
-        "every_chunk_out_s": round(every_chunk_out(results, info["chunks"]), 2),
+        "first_from_learner_s": first_from_learner(results, info["chunks"]),
         "per_peer_s": sorted(round(r["seconds"], 1) for r in results),
+        "held_at_s": [r["held_at"] for r in results],  # per peer: seconds until it held 25%, 50%, ... of the chunks
         "rtt_to_learner_ms": [round(wan.rtt_ms(0, k + 1)) for k in range(peers)] if wan is not None else None,
         "behind_nat": sum(behind_nat),
         "loss": loss,
+        "idle_restart": idle_restart,
         "cpu_count": os.cpu_count(),
     }
 

@@ -117,6 +117,9 @@ def bench_broadcast(
     loss: float = typer.Option(0.0, "--loss", help="With --rtt: share of packets lost on each link."),
     versions: int = typer.Option(0, "--versions", help="Then time this many more versions one by one."),
     every: float = typer.Option(2.0, "--every", help="Seconds between those versions."),
+    idle_restart: bool = typer.Option(
+        True, "--idle-restart/--no-idle-restart", help="With --rtt: Linux's TCP slow start after idle, on all sites."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Seconds until N peer processes hold a verified version, against star and the bound T_min.
@@ -149,11 +152,13 @@ def bench_broadcast(
         raise fail(f"--nat must be 0 to --peers ({peers}), and needs --rtt")
     if not 0 <= loss < 0.5 or (loss and not rtt):
         raise fail(f"--loss must be in [0, 0.5), and needs --rtt, got {loss}")
+    if not idle_restart and not rtt:
+        raise fail("--no-idle-restart needs --rtt (it is set in the test bed's namespaces)")
     if not 0 <= versions <= 1000 or not 0.1 <= every <= 60:
         raise fail(f"--versions must be 0 to 1000 and --every 0.1 to 60 s, got {versions} and {every}")
     result = run_broadcast_bench(
         peers, size, learner_up, peer_up, peer_down or None, mode, chunk_mib, upload_slots, span, nat, loss,
-        versions, every,
+        versions, every, idle_restart,
     )  # fmt: skip
     if json_out:
         print(json.dumps(result))

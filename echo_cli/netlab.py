@@ -201,7 +201,8 @@ class Wan(Namespaces):
     """A star of sites around a core router (the module docstring); site k runs in namespace `ns[k]` and its
     processes listen on `ip[k]` (the address the others dial for a public site)."""
 
-    def __init__(self, sites: list[Site], mtu: int = 9000, seed: int = 0) -> None:
+    def __init__(self, sites: list[Site], mtu: int = 9000, seed: int = 0, sysctls: tuple[str, ...] = ()) -> None:
+        """`sysctls`: KEY=VALUE settings for every site's namespace (e.g. net.ipv4.tcp_slow_start_after_idle=0)."""
         super().__init__("ew")
         if not 1 <= len(sites) <= 200:
             raise ValueError(f"a Wan has 1 to 200 sites, not {len(sites)}")
@@ -212,6 +213,8 @@ class Wan(Namespaces):
             links = []
             for k, site in enumerate(sites):
                 ns = self.add(f"s{k}")
+                for setting in sysctls:
+                    sh("ip", "netns", "exec", ns, "sysctl", "-qw", setting)
                 wan_ip, core_ip = f"10.78.{k}.2", f"10.78.{k}.1"
                 edge = ns
                 if site.nat:  # the site's own router, between it and its link

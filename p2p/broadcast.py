@@ -405,6 +405,7 @@ class BroadcastPeer(ChunkServer):
         self._last_join = 0.0
         self.last_learner_chunk_at = 0.0
         self.learner_chunk_at: dict[int, float] = {}  # chunk index -> when it last came from the learner (benchmarks)
+        self.chunk_at: dict[int, float] = {}  # chunk index -> when it last came from anyone (benchmarks)
         # peers are dialled in the background: `peers` is replaced, never changed in place, when one is reached
         self._dials = BackgroundPool("dial", DIAL_WORKERS, DIAL_BACKLOG)
         self._dialling: set[str] = set()  # peers being dialled or queued for it
@@ -808,6 +809,7 @@ class BroadcastPeer(ChunkServer):
         if version not in self.store.manifests:
             return  # dropped while this request was out (the learner moved on): nothing to keep
         self.store.put(version, index, data)
+        self.chunk_at[index] = time.monotonic()
         learner = source == self.learner
         self.stats["from_learner" if learner else "from_peers"] += 1
         self.stats["bytes_from_learner" if learner else "bytes_from_peers"] += size
