@@ -86,6 +86,7 @@ PENALTY_LIMIT = 3  # bad chunks after which a peer is no longer asked
 DEAD_FOR = 5.0  # seconds a peer that failed a request is skipped
 HAVE_REFRESH = 0.3  # seconds between have-map exchanges with each peer
 LEARNER_CLAIMS = 2  # claims a peer keeps in flight to the learner (one arriving while the next is on its way)
+ENDGAME_AFTER = 1.0  # seconds a chunk request may be out before, once all we miss is asked for, another holder is asked
 CLAIM_WAIT = 0.2  # seconds a peer waits before claiming again when the learner had nothing for it
 CHUNK_TIMEOUT = 60.0  # seconds until a chunk reply starts; then its body may take its size / CHUNK_MIN_RATE
 REPLY_OVERHEAD = 4096  # bytes a chunk reply may hold beyond the chunk (its framing)
@@ -367,6 +368,8 @@ class _Fetch:
 
     manifest: Manifest
     inflight: dict[int, str] = field(default_factory=dict)  # chunk -> the peer asked for it
+    asked_at: dict[int, float] = field(default_factory=dict)  # chunk -> when it was asked for (inflight)
+    doubles: dict[int, str] = field(default_factory=dict)  # chunk -> a second peer asked for it (the endgame)
     per_peer: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # requests in flight per peer
     failed: set[tuple[int, str]] = field(default_factory=set)  # (chunk, peer) that peer did not have
     claims: int = 0  # claims in flight to the learner
@@ -552,7 +555,7 @@ class BroadcastPeer(ChunkServer):
         oldest first. All checked against the learner's key and added to the store. Also the full
         snapshots the learner holds beside deltas of that chain, by version (checked, not stored)."""
         ask = {"version": version} if chain_since is False else {"version": version, "since": chain_since}
-        reply = self.host.request(self.learner, MANIFEST, ask, timeout=timeout)
+        reply = self.host.request(self.learner_addr, MANIFEST, ask, timeout=timeout)
         manifests = [Manifest.from_dict(m) for m in [*reply.get("chain", [])[:1000], reply["manifest"]]]
         snapshots = [Manifest.from_dict(m) for m in reply.get("snapshots", [])[:1000]]
         for m in [*manifests, *snapshots]:
@@ -697,10 +700,14 @@ class BroadcastPeer(ChunkServer):
 
                 with fetch.done:
                     picks, claim = self._choose(fetch, held, rng)
-                    for index, source in picks:
-                        fetch.inflight[index] = source
+                    for index, source, double in picks:
+                        if double:
+                            fetch.doubles[index] = source
+                        else:
+                            fetch.inflight[index], fetch.asked_at[index] = source, time.monotonic()
                         fetch.per_peer[source] += 1
-                        pool.submit(self._fetch_one, fetch, index, source)
+                        self.stats["endgame_requests"] += double
+                        pool.submit(self._fetch_one, fetch, index, source, double)
                     if claim is not None:
                         fetch.claims += 1
                         pool.submit(self._claim_one, fetch, *claim)
@@ -711,9 +718,13 @@ class BroadcastPeer(ChunkServer):
 
     def _choose(
         self, fetch: _Fetch, held: set[int], rng: random.Random
-    ) -> tuple[list[tuple[int, str]], tuple[bytes, bytes] | None]:
-        """What to ask for now (called holding fetch.done): (chunk, peer) pairs for the free request slots,
-        rarest first; and a claim (want, hard) for the learner if one of its slots is free, else None."""
+    ) -> tuple[list[tuple[int, str, bool]], tuple[bytes, bytes] | None]:
+        """What to ask for now (called holding fetch.done): (chunk, peer, double) for the free request slots,
+        rarest first; and a claim (want, hard) for the learner if one of its slots is free, else None.
+
+        The endgame: once every chunk we miss is asked for, one asked ENDGAME_AFTER seconds ago or more (its
+        holder's uplink queues other peers' requests) is also asked of another holder (`double`), as
+        BitTorrent's endgame does: the last chunks of a version otherwise wait on the slowest queue."""
         version, n = fetch.manifest.version, len(fetch.manifest.chunks)
         holders: dict[int, list[str]] = defaultdict(list)
         for peer, maps in list(self.peer_have.items()):
@@ -724,25 +735,41 @@ class BroadcastPeer(ChunkServer):
                     holders[i].append(peer)
         wanted = [i for i in range(n) if i not in held and i not in fetch.inflight]
         rng.shuffle(wanted)  # ties broken differently by every peer
-        picks: list[tuple[int, str]] = []
-        slots = self.max_inflight - len(fetch.inflight)
+        picks: list[tuple[int, str, bool]] = []
+        slots = self.max_inflight - len(fetch.inflight) - len(fetch.doubles)
         busy = defaultdict(int, fetch.per_peer)
         for i in sorted((i for i in wanted if holders[i]), key=lambda i: len(holders[i])):
             free = [p for p in holders[i] if busy[p] < self.per_peer_inflight and (i, p) not in fetch.failed]
             if free and len(picks) < slots:
                 source = min(free, key=lambda p: busy[p])
-                picks.append((i, source))
+                picks.append((i, source, False))
                 busy[source] += 1
+        if not wanted:  # the endgame
+            now = time.monotonic()
+            for i in sorted(fetch.inflight, key=lambda i: fetch.asked_at.get(i, now)):
+                if len(picks) >= slots or now - fetch.asked_at.get(i, now) < ENDGAME_AFTER:
+                    break
+                if i in fetch.doubles:
+                    continue
+                free = [
+                    p
+                    for p in holders[i]
+                    if p != fetch.inflight[i] and busy[p] < self.per_peer_inflight and (i, p) not in fetch.failed
+                ]
+                if free:
+                    source = min(free, key=lambda p: busy[p])
+                    picks.append((i, source, True))
+                    busy[source] += 1
         claim = None
         if fetch.claims < LEARNER_CLAIMS and time.monotonic() >= fetch.claim_after and self._alive(self.learner):
-            taken = {i for i, _ in picks}
+            taken = {i for i, _, _ in picks}
             rest = {i for i in wanted if i not in taken}
             if rest:
                 claim = (bitmap(rest, n), bitmap({i for i in rest if not holders[i]}, n))
         return picks, claim
 
-    def _fetch_one(self, fetch: _Fetch, index: int, source: str) -> None:
-        """Ask peer `source` for chunk `index` (a pool job)."""
+    def _fetch_one(self, fetch: _Fetch, index: int, source: str, double: bool = False) -> None:
+        """Ask peer `source` for chunk `index` (a pool job); `double`: a second request for it (the endgame)."""
         manifest = fetch.manifest
         try:
             ask = {"version": manifest.version, "index": index, "run_id": manifest.run_id, "full": is_full(manifest)}
@@ -755,7 +782,11 @@ class BroadcastPeer(ChunkServer):
             self._unavailable(source, exc)
         finally:
             with fetch.done:
-                fetch.inflight.pop(index, None)
+                if double:
+                    fetch.doubles.pop(index, None)
+                elif fetch.inflight.get(index) == source:
+                    fetch.inflight.pop(index, None)
+                    fetch.asked_at.pop(index, None)
                 fetch.per_peer[source] -= 1
                 fetch.done.notify_all()
 
@@ -770,7 +801,7 @@ class BroadcastPeer(ChunkServer):
         biggest = max(size for _, size in manifest.chunks)
         try:
             reply = self.host.request(
-                self.learner, CHUNK, claim, CHUNK_TIMEOUT, CHUNK_MIN_RATE, max_reply=biggest + REPLY_OVERHEAD
+                self.learner_addr, CHUNK, claim, CHUNK_TIMEOUT, CHUNK_MIN_RATE, max_reply=biggest + REPLY_OVERHEAD
             )
             if again:  # the learner knows now: only this claim may say the failure was heard
                 with fetch.done:

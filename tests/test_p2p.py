@@ -529,6 +529,25 @@ def test_no_chunk_waits_on_a_peer_nobody_can_reach(hosts, monkeypatch):
     assert min(seeder.copies_sent(pv.manifest.version)) >= 1 and sum(p.stats["from_peers"] for p in (a, b, c, d)) > 0
 
 
+def test_the_last_chunks_are_asked_of_a_second_holder_when_the_first_is_slow(hosts):
+    """The endgame: once every chunk a peer misses is asked for, one out for ENDGAME_AFTER seconds is asked
+    of another holder too (a holder's uplink may be slow, or queued with other peers' requests)."""
+    learner = hosts()
+    pv, raw = random_version(learner.key, learner.peer_id, mb=6)
+    seeder = Seeder(learner, ChunkStore())
+    seeder.publish(pv)
+    slow = BroadcastPeer(hosts(HostConfig(upload_bps=100e3)), ChunkStore(), learner.addrs[0])  # 10 s a chunk
+    fast, fetcher = (BroadcastPeer(hosts(), ChunkStore(), learner.addrs[0]) for _ in range(2))
+    for holder in (slow, fast):
+        holder.fetch(holder.fetch_manifest(), timeout=60)
+    join_swarm(seeder, slow, fast, fetcher)
+    manifest = fetcher.fetch_manifest()
+    fetcher.dead_until[fetcher.learner] = time.monotonic() + 3600  # no claims: the chunks come from the holders
+    fetcher._exchange_have_maps(manifest, set())
+    assert rebuild_raw(manifest, fetcher.fetch(manifest, timeout=60)) == raw
+    assert fetcher.stats["endgame_requests"] >= 1 and fetcher.stats["from_learner"] == 0
+
+
 def test_the_learner_announces_each_version_to_the_peers_that_joined_and_only_it_may(hosts):
     """A published version is announced at once to every peer that joined (a worker then syncs without
     waiting for its next poll); an announcement from anyone else is refused with a penalty."""
