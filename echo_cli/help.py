@@ -16,24 +16,29 @@ from typer.core import TyperCommand
 
 
 class WholeHelpCommand(TyperCommand):
-    """A typer command whose --help is click's layout, in sections by rich_help_panel."""
+    """A typer command whose --help is click's layout, in sections by rich_help_panel (else Arguments and
+    Options)."""
 
     # ctx and formatter are click's (typer vendors its own click: typer._click)
     def format_help(self, ctx: Any, formatter: Any) -> None:
         super(TyperCommand, self).format_help(ctx, formatter)  # click's: usage, text, options (below), epilog
 
     def format_help_text(self, ctx: Any, formatter: Any) -> None:
-        if self.help:  # the docstring's first paragraph is the summary; rich markup escapes read as text
+        if self.help:  # rich markup escapes read as text
             formatter.write_paragraph()
             with formatter.indentation():
-                formatter.write_text(_plain(self.help.split("\n\n")[0]))
+                for k, paragraph in enumerate(_plain(self.help).split("\n\n")):
+                    if k:
+                        formatter.write_paragraph()
+                    formatter.write_text(" ".join(paragraph.split()))
 
     def format_options(self, ctx: Any, formatter: Any) -> None:
         sections: dict[str, list[tuple[str, str]]] = {}
         for param in self.get_params(ctx):
             record = param.get_help_record(ctx)
             if record is not None:
-                panel = getattr(param, "rich_help_panel", None) or "Options"
+                default = "Arguments" if param.param_type_name == "argument" else "Options"
+                panel = getattr(param, "rich_help_panel", None) or default
                 sections.setdefault(panel, []).append((record[0], _plain(record[1])))
         for title, rows in sections.items():
             with formatter.section(_plain(title)):

@@ -686,6 +686,7 @@ class BroadcastPeer(ChunkServer):
                     raise VersionDropped(f"version {version} is no longer held by the learner")
                 if (
                     not fetch.inflight
+                    and not fetch.doubles
                     and not fetch.claims
                     and not self._alive(self.learner)
                     and not any(
@@ -746,7 +747,7 @@ class BroadcastPeer(ChunkServer):
                 busy[source] += 1
         if not wanted:  # the endgame
             now = time.monotonic()
-            for i in sorted(fetch.inflight, key=lambda i: fetch.asked_at.get(i, now)):
+            for i in sorted((i for i in fetch.inflight if i not in held), key=lambda i: fetch.asked_at.get(i, now)):
                 if len(picks) >= slots or now - fetch.asked_at.get(i, now) < ENDGAME_AFTER:
                     break
                 if i in fetch.doubles:
@@ -782,11 +783,14 @@ class BroadcastPeer(ChunkServer):
             self._unavailable(source, exc)
         finally:
             with fetch.done:
-                if double:
-                    fetch.doubles.pop(index, None)
-                elif fetch.inflight.get(index) == source:
+                if double and fetch.doubles.get(index) == source:
+                    fetch.doubles.pop(index)
+                elif fetch.inflight.get(index) == source:  # (a double promoted below ends here too)
                     fetch.inflight.pop(index, None)
                     fetch.asked_at.pop(index, None)
+                    if index in fetch.doubles and index not in self.store.held(manifest.version):
+                        # the first request failed while its double is out: the double is the request now
+                        fetch.inflight[index], fetch.asked_at[index] = fetch.doubles.pop(index), time.monotonic()
                 fetch.per_peer[source] -= 1
                 fetch.done.notify_all()
 
@@ -839,7 +843,8 @@ class BroadcastPeer(ChunkServer):
             return
         if version not in self.store.manifests:
             return  # dropped while this request was out (the learner moved on): nothing to keep
-        self.store.put(version, index, data)
+        if not self.store.put(version, index, data):
+            return  # a second copy (the endgame asked two holders): counted once
         self.chunk_at[index] = time.monotonic()
         learner = source == self.learner
         self.stats["from_learner" if learner else "from_peers"] += 1

@@ -57,11 +57,12 @@ class ChunkStore:
             _write_atomic(self.spill_dir / f"v{manifest.version}" / "manifest.msgpack",
                           msgpack.packb(manifest.to_dict(), use_bin_type=True))  # fmt: skip
 
-    def put(self, version: int, index: int, data: bytes) -> None:
+    def put(self, version: int, index: int, data: bytes) -> bool:
+        """Keep a chunk; False if it was held already (the second copy of a doubled request)."""
         with self._lock:
             key = (version, index)
             if key in self._memory or key in self._on_disk:
-                return
+                return False
             to_disk = self.spill_dir is not None and (self.persist or self.memory_used + len(data) > self.memory_budget)
             if to_disk:
                 _write_atomic(self._path(version, index), data)
@@ -69,6 +70,7 @@ class ChunkStore:
             if not to_disk or self.memory_used + len(data) <= self.memory_budget:
                 self._memory[key] = data
                 self.memory_used += len(data)
+            return True
 
     def get(self, version: int, index: int) -> bytes | None:
         key = (version, index)

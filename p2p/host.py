@@ -263,6 +263,8 @@ class Host:
                 network = self._host.get_network()
                 known = network.get_connections(peer)
                 if [c for c in known if c is not None and not getattr(c, "is_closed", False)]:
+                    for addr in first:  # (connected to us first): the address we were given is where to redial
+                        self._remember(key, addr)
                     return
                 if known:  # closed connections linger in py-libp2p's table, and while they do it dials no more
                     await network.close_peer(peer)  # (a restarted learner: "no valid connections")
@@ -279,15 +281,19 @@ class Host:
                     except Exception as exc:  # noqa: BLE001 - refused, unreachable, another peer's key
                         failures.append(f"{addr}: {type(exc).__name__}: {exc}")
                         continue
-                    self._book.pop(key, None)  # most recent last; the address that answered first
-                    self._book[key] = [addr, *[a for a in self._book.get(key, []) if a != addr]][:MAX_ADDRS]
-                    if len(self._book) > MAX_BOOK:
-                        self._book.pop(next(iter(self._book)))
+                    self._remember(key, addr)
                     return
                 raise PeerUnavailable(f"cannot reach {key[-8:]}: {'; '.join(failures)[:500]}")
         finally:
-            if not lock.locked() and lock.statistics().tasks_waiting == 0:
+            if self._dial_locks.get(key) is lock and not lock.locked() and lock.statistics().tasks_waiting == 0:
                 self._dial_locks.pop(key, None)
+
+    def _remember(self, key: str, addr: multiaddr.Multiaddr) -> None:
+        """Book `addr` as the first address to redial peer `key` at (the MAX_BOOK most recent peers)."""
+        addrs = [addr, *[a for a in self._book.pop(key, []) if a != addr]][:MAX_ADDRS]
+        self._book[key] = addrs  # most recent last
+        if len(self._book) > MAX_BOOK:
+            self._book.pop(next(iter(self._book)))
 
     def dial_back(self, addr: str, timeout: float) -> None:
         """Dial exactly `addr` (ending in /p2p/PEER_ID; no other address known for that peer), check that the

@@ -27,7 +27,8 @@ def log_tails(procs, chars: int = 2500) -> str:
     for name, proc in procs:
         path = getattr(proc, "log_path", None)
         if path is not None and Path(path).exists():
-            tails.append(f"\n--- {name}'s log, last {chars} characters ---\n{Path(path).read_text()[-chars:]}")
+            text = Path(path).read_text(errors="replace")
+            tails.append(f"\n--- {name}'s log, last {chars} characters ---\n{text[-chars:]}")
     return "".join(tails)
 
 
