@@ -197,7 +197,8 @@ def test_a_swarm_trains_a_family_with_lora_and_flags_no_honest_worker(name, swar
     assert metrics[-1]["verification"]["groups"] >= metrics[-1]["groups_accepted"] > 0
     assert "flagged" not in swarm.log("learner") and "Traceback" not in swarm.log("learner")
     accepted = {w: r["groups_accepted"] for w, r in metrics[-1]["workers"].items()}
-    assert len(accepted) == 2 and min(accepted.values()) > 0, accepted
+    workers = f"\nhf: {swarm.log('hf')[-1500:]}\nllama: {swarm.log('llama')[-1500:]}"  # who waited, and why
+    assert len(accepted) == 2 and min(accepted.values()) > 0, f"{accepted}{workers}"
 
     out = swarm.tmp / "export"
     res = run_cli("export", str(swarm.run_dir), "--format", "hf", "--adapters", "--out", str(out))
