@@ -118,7 +118,7 @@ def node_main(argv: list[str]) -> None:
     fetched = time.perf_counter() - start
     rebuild_raw(manifest, chunks)  # raises unless every chunk and the whole are exact
     seconds = time.perf_counter() - start
-    learner_done = peer.last_learner_chunk_at - mono
+    learner_done = max(peer.learner_chunk_at.values(), default=mono) - mono
     from_learner = {i: round(t - mono, 3) for i, t in peer.learner_chunk_at.items()}
     arrivals = sorted(t - mono for t in peer.chunk_at.values())
     held_at = {f"{q:.0%}": round(arrivals[max(int(q * len(arrivals)) - 1, 0)], 1) for q in (0.25, 0.5, 0.75, 0.9, 1.0)}

@@ -406,7 +406,6 @@ class BroadcastPeer(ChunkServer):
         self.dead_until: dict[str, float] = {}
         self.stats: dict[str, int] = defaultdict(int)  # chunks by source, bad chunks, failures
         self._last_join = 0.0
-        self.last_learner_chunk_at = 0.0
         self.learner_chunk_at: dict[int, float] = {}  # chunk index -> when it last came from the learner (benchmarks)
         self.chunk_at: dict[int, float] = {}  # chunk index -> when it last came from anyone (benchmarks)
         # peers are dialled in the background: `peers` is replaced, never changed in place, when one is reached
@@ -851,7 +850,7 @@ class BroadcastPeer(ChunkServer):
         self.stats["bytes_from_learner" if learner else "bytes_from_peers"] += size
         log.debug("chunk %d of v%d from %s", index, version, "the learner" if learner else source[-8:])
         if learner:
-            self.last_learner_chunk_at = self.learner_chunk_at[index] = time.monotonic()
+            self.learner_chunk_at[index] = time.monotonic()
 
     def _unavailable(self, source: str, exc: Exception) -> None:
         """A request to `source` failed on the connection: skip it for DEAD_FOR seconds."""
