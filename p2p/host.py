@@ -272,12 +272,19 @@ class Host:
                 if not addrs:
                     raise PeerUnavailable(f"not connected to {key[-8:]} and no address to dial it at")
                 failures = []
-                for addr in addrs:
+                for tried, addr in enumerate(addrs):
+                    # an address that never answers (a stale NAT mapping, a firewall that drops) takes its share
+                    # of the time left, not all of it: the addresses after it are tried too
+                    share = (trio.current_effective_deadline() - trio.current_time()) / (len(addrs) - tried)
                     try:
-                        conn = await network.dial_addr(addr, peer)
-                        started = getattr(conn, "event_started", None)
-                        if started is not None:  # muxer and stream handlers running
-                            await started.wait()
+                        with trio.fail_after(max(share, 0.0)):
+                            conn = await network.dial_addr(addr, peer)
+                            started = getattr(conn, "event_started", None)
+                            if started is not None:  # muxer and stream handlers running
+                                await started.wait()
+                    except trio.TooSlowError:
+                        failures.append(f"{addr}: no answer in {share:.1f}s")
+                        continue
                     except Exception as exc:  # noqa: BLE001 - refused, unreachable, another peer's key
                         failures.append(f"{addr}: {type(exc).__name__}: {exc}")
                         continue

@@ -260,6 +260,28 @@ def test_a_peer_is_redialled_only_at_the_addresses_we_chose(hosts):
         relay.close()
 
 
+def test_an_address_that_never_answers_takes_only_its_share_of_the_dial_time(hosts):
+    """A dial tries the address it is given, then those that reached the peer before. One that accepts and
+    never answers (a stale NAT mapping, a firewall that drops) took the whole request's time, and the good
+    address after it was never tried; each address now gets its share of the time left."""
+    import socket
+    from functools import partial
+
+    far, near = hosts(), hosts()
+    far.handle("/echo/test/1", lambda peer, msg: {"echo": msg["x"]})
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)  # the kernel completes TCP handshakes; nothing ever speaks
+    try:
+        assert near.request(far.addrs[0], "/echo/test/1", {"x": 1})["echo"] == 1  # books far's address
+        near._run(partial(near._host.get_network().close_peer, ID.from_base58(far.peer_id)))
+        assert far.peer_id not in near.connected_peers()
+        black_hole = f"/ip4/127.0.0.1/tcp/{hole.getsockname()[1]}/p2p/{far.peer_id}"
+        assert near.request(black_hole, "/echo/test/1", {"x": 2}, timeout=6)["echo"] == 2  # then the booked one
+    finally:
+        hole.close()
+
+
 def test_oversized_frame_is_refused(hosts):
     a = hosts(HostConfig(max_frame=1000))
     b = hosts()
