@@ -32,11 +32,18 @@ class WholeHelpCommand(TyperCommand):
                         formatter.write_paragraph()
                     formatter.write_text(" ".join(paragraph.split()))
 
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        """[OPTIONS] then the arguments as users write them (typer 0.29 prints `{target}`)."""
+        arguments = [_argument(p) for p in self.get_params(ctx) if p.param_type_name == "argument"]
+        return [self.options_metavar, *arguments] if self.options_metavar else arguments
+
     def format_options(self, ctx: Any, formatter: Any) -> None:
         sections: dict[str, list[tuple[str, str]]] = {}
         for param in self.get_params(ctx):
             record = param.get_help_record(ctx)
             if record is not None:
+                if param.param_type_name == "argument":  # its name as the usage line shows it, not `target <path>`
+                    record = (_argument(param), record[1])
                 default = "Arguments" if param.param_type_name == "argument" else "Options"
                 panel = getattr(param, "rich_help_panel", None) or default
                 sections.setdefault(panel, []).append((record[0], _plain(record[1])))
@@ -56,3 +63,9 @@ class EchoTyper(typer.Typer):
 def _plain(text: str) -> str:
     """Help text written for rich markup, as plain text: `\\[run]` is `[run]`."""
     return text.replace("\\[", "[")
+
+
+def _argument(param: Any) -> str:
+    """An argument's name in usage and help: TARGET, RUN_DIRS... (many), [TARGET] (optional)."""
+    name = (param.metavar or param.name).upper() + ("..." if param.nargs == -1 else "")
+    return name if param.required else f"[{name}]"

@@ -170,8 +170,8 @@ def test_help_shows_tables_types_and_defaults():
 
 
 def test_every_help_reads_whole_at_80_columns():
-    """No option name cut ("--grad-checkpointi…", #34) and no line wider than the terminal, for every command
-    and group (echo_cli.help)."""
+    """No option name cut ("--grad-checkpointi…", #34), no line wider than the terminal and no argument
+    shown as `{target}`, for every command and group (echo_cli.help)."""
     import click
     import typer
 
@@ -187,10 +187,11 @@ def test_every_help_reads_whole_at_80_columns():
         assert res.returncode == 0, (path, res.stderr)
         lines = res.stdout.splitlines()
         assert "…" not in res.stdout and max(map(len, lines)) <= 80, (path, res.stdout)
+        assert "{" not in lines[0], (path, lines[0])  # arguments read as users type them: TARGET, not {target}
         command = typer.main.get_command(app)
         for name in path:
             command = command.commands[name]
         if not isinstance(command, click.Group) and not hasattr(command, "commands"):
             for param in command.params:  # every option's every name is there whole
-                for flag in [*param.opts, *param.secondary_opts]:
-                    assert flag in res.stdout, (path, flag)
+                for flag in [*param.opts, *param.secondary_opts]:  # (an argument's name: upper case)
+                    assert (flag if flag.startswith("-") else flag.upper()) in res.stdout, (path, flag)
