@@ -200,19 +200,27 @@ def wan_sites(peers: int, rtt: tuple[float, float], nat: int, learner_up: float,
 def run_broadcast_bench(
     peers: int, size_mb: float, learner_up: float, peer_up: float, peer_down: float | None, mode: str, chunk_mib: float,
     upload_slots: int | None = None, rtt: tuple[float, float] | None = None, nat: int = 0, loss: float = 0.0,
-    versions: int = 0, every: float = 2.0, idle_restart: bool = True,
+    versions: int = 0, every: float = 2.0, idle_restart: bool = True, tcp: str = "",
 ) -> dict[str, Any]:  # fmt: skip
     """`chunk_mib` 0: the learner's own chunk size; `upload_slots` None: the nodes' own (0: all at once).
     With `rtt` (ms, lo and hi) every node runs on a site of an echo_cli.netlab.Wan whose links do the
     rate caps, delays and `loss`, the last `nat` peers behind NAT routers; else on 127.0.0.1, capped by the
-    hosts' own token buckets; `idle_restart` False turns Linux's slow start after idle off on every site.
+    hosts' own token buckets; `idle_restart` False turns Linux's slow start after idle off on every site,
+    `tcp` sets every site's TCP congestion control (the result says which ran: it changes the figures).
     With `versions`, the learner then publishes that many more versions of `size_mb`, `every` seconds
     apart, and the result is each peer's time from publication to holding one."""
     node = [sys.executable, "-m", "echo_cli.bench_broadcast", "node"]
     timed = ["--versions", str(versions), "--every", str(every)] if versions else []
     procs: list[subprocess.Popen] = []
     tuning = () if idle_restart else ("net.ipv4.tcp_slow_start_after_idle=0",)
-    wan = Wan(wan_sites(peers, rtt, nat, learner_up, peer_up, peer_down, loss), sysctls=tuning) if rtt else None
+    tuning += (f"net.ipv4.tcp_congestion_control={tcp}",) if tcp else ()
+    try:
+        wan = Wan(wan_sites(peers, rtt, nat, learner_up, peer_up, peer_down, loss), sysctls=tuning) if rtt else None
+    except subprocess.CalledProcessError as exc:
+        refused = (exc.stderr or b"").decode().strip()
+        raise ValueError(f"the test bed refused {exc.cmd[-1]}: {refused}") from None
+    congestion = "/proc/sys/net/ipv4/tcp_congestion_control"  # (namespaces start with the machine's)
+    tcp = tcp or (open(congestion).read().strip() if os.path.exists(congestion) else "unknown")
 
     def spawn(args: list[str], site: int) -> tuple[subprocess.Popen, dict]:
         where = [*wan.exec_prefix(wan.ns[site])] if wan is not None else []
@@ -249,7 +257,7 @@ def run_broadcast_bench(
                 proc.stdin.flush()
             published = {int(v): t for v, t in json.loads(seeder.stdout.readline())["published"].items()}
             results = [json.loads(w.stdout.readline() or "{}") for w in workers]
-            return version_latency(published, results, wan, info)
+            return version_latency(published, results, wan, info) | {"tcp": tcp}
         start = time.perf_counter()
         for w in workers:
             w.stdin.write("go\n")
@@ -305,6 +313,7 @@ def run_broadcast_bench(
         "behind_nat": sum(behind_nat),
         "loss": loss,
         "idle_restart": idle_restart,
+        "tcp": tcp,
         "cpu_count": os.cpu_count(),
     }
 

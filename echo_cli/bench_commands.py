@@ -120,6 +120,9 @@ def bench_broadcast(
     idle_restart: bool = typer.Option(
         True, "--idle-restart/--no-idle-restart", help="With --rtt: Linux's TCP slow start after idle, on all sites."
     ),
+    tcp: str = typer.Option(
+        "", "--tcp", help="With --rtt: TCP congestion control on all sites, e.g. reno (default: the machine's)."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Seconds until N peer processes hold a verified version, against star and the bound T_min.
@@ -154,12 +157,17 @@ def bench_broadcast(
         raise fail(f"--loss must be in [0, 0.5), and needs --rtt, got {loss}")
     if not idle_restart and not rtt:
         raise fail("--no-idle-restart needs --rtt (it is set in the test bed's namespaces)")
+    if tcp and (not rtt or not tcp.isalnum()):
+        raise fail(f"--tcp needs --rtt and a congestion control's name (reno, cubic, bbr), got {tcp!r}")
     if not 0 <= versions <= 1000 or not 0.1 <= every <= 60:
         raise fail(f"--versions must be 0 to 1000 and --every 0.1 to 60 s, got {versions} and {every}")
-    result = run_broadcast_bench(
-        peers, size, learner_up, peer_up, peer_down or None, mode, chunk_mib, upload_slots, span, nat, loss,
-        versions, every, idle_restart,
-    )  # fmt: skip
+    try:
+        result = run_broadcast_bench(
+            peers, size, learner_up, peer_up, peer_down or None, mode, chunk_mib, upload_slots, span, nat, loss,
+            versions, every, idle_restart, tcp,
+        )  # fmt: skip
+    except ValueError as exc:  # the test bed refused a setting (--tcp NAME this kernel does not allow)
+        raise fail(str(exc)) from None
     if json_out:
         print(json.dumps(result))
         return
