@@ -197,6 +197,20 @@ def wan_sites(peers: int, rtt: tuple[float, float], nat: int, learner_up: float,
     return sites
 
 
+class BedError(Exception):
+    """The test bed could not be built as asked (a setting its kernel refuses): a one-line user error."""
+
+
+def congestion_control(wan: Wan | None) -> str:
+    """The TCP congestion control the nodes run under: the learner's site's (else this machine's)."""
+    if wan is None:
+        path = "/proc/sys/net/ipv4/tcp_congestion_control"
+        return open(path).read().strip() if os.path.exists(path) else "unknown"
+    ran = subprocess.run([*wan.exec_prefix(wan.ns[0]), "sysctl", "-n", "net.ipv4.tcp_congestion_control"],
+                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    return ran.stdout.strip() or "unknown"
+
+
 def run_broadcast_bench(
     peers: int, size_mb: float, learner_up: float, peer_up: float, peer_down: float | None, mode: str, chunk_mib: float,
     upload_slots: int | None = None, rtt: tuple[float, float] | None = None, nat: int = 0, loss: float = 0.0,
@@ -216,11 +230,9 @@ def run_broadcast_bench(
     tuning += (f"net.ipv4.tcp_congestion_control={tcp}",) if tcp else ()
     try:
         wan = Wan(wan_sites(peers, rtt, nat, learner_up, peer_up, peer_down, loss), sysctls=tuning) if rtt else None
-    except subprocess.CalledProcessError as exc:
-        refused = (exc.stderr or b"").decode().strip()
-        raise ValueError(f"the test bed refused {exc.cmd[-1]}: {refused}") from None
-    congestion = "/proc/sys/net/ipv4/tcp_congestion_control"  # (namespaces start with the machine's)
-    tcp = tcp or (open(congestion).read().strip() if os.path.exists(congestion) else "unknown")
+    except subprocess.CalledProcessError as exc:  # (Wan tears down what it built)
+        raise BedError(f"`{' '.join(exc.cmd)}` failed: {(exc.stderr or b'').decode().strip()}") from None
+    tcp = congestion_control(wan)
 
     def spawn(args: list[str], site: int) -> tuple[subprocess.Popen, dict]:
         where = [*wan.exec_prefix(wan.ns[site])] if wan is not None else []

@@ -129,7 +129,7 @@ def bench_broadcast(
 
     With --rtt the learner and each peer run in network namespaces, on links with those round trips and
     the rate caps (echo_cli/netlab.py); else on 127.0.0.1 with token buckets."""
-    from echo_cli.bench_broadcast import run_broadcast_bench
+    from echo_cli.bench_broadcast import BedError, run_broadcast_bench
 
     if mode not in ("swarm", "star"):
         raise fail(f"--mode must be swarm or star, got {mode!r}")
@@ -166,7 +166,7 @@ def bench_broadcast(
             peers, size, learner_up, peer_up, peer_down or None, mode, chunk_mib, upload_slots, span, nat, loss,
             versions, every, idle_restart, tcp,
         )  # fmt: skip
-    except ValueError as exc:  # the test bed refused a setting (--tcp NAME this kernel does not allow)
+    except BedError as exc:  # the test bed refused a setting (--tcp NAME this kernel does not allow)
         raise fail(str(exc)) from None
     if json_out:
         print(json.dumps(result))

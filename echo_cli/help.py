@@ -67,5 +67,5 @@ def _plain(text: str) -> str:
 
 def _argument(param: Any) -> str:
     """An argument's name in usage and help: TARGET, RUN_DIRS... (many), [TARGET] (optional)."""
-    name = (param.metavar or param.name).upper() + ("..." if param.nargs == -1 else "")
+    name = (param.metavar or param.name.upper()) + ("..." if param.nargs != 1 else "")
     return name if param.required else f"[{name}]"

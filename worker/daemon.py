@@ -60,7 +60,8 @@ from worker.engines import generate_lease, make_engine
 from worker.fetcher import VersionFetcher
 
 PUSH_TIMEOUT = 60.0  # seconds one send of a lease's rollouts may take (a slow uplink)
-PUSH_GRACE = 10.0  # seconds a send may run past its lease's end (the learner's clock is not ours)
+PUSH_GRACE = 30.0  # seconds a send may run past its lease's end: the learner checks a submission that
+# arrived in time before it answers (verification: a second or two a group), and its clock is not ours
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +278,7 @@ class WorkerDaemon:
         it took gets the same reply: learner.orchestrate.intake); a refusal drops them."""
         wait = 1.0
         while True:
-            # a send outlives the lease by PUSH_GRACE at most (the learner then refuses it): a stalled link does
+            # a send outlives the lease by PUSH_GRACE at most (one arriving later is refused): a stalled link does
             # not hold the worker a minute for rollouts nobody takes any more
             timeout = min(PUSH_TIMEOUT, max(deadline - time.monotonic() + PUSH_GRACE, PUSH_GRACE))
             try:
