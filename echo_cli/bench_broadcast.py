@@ -214,13 +214,14 @@ def congestion_control(wan: Wan | None) -> str:
 def run_broadcast_bench(
     peers: int, size_mb: float, learner_up: float, peer_up: float, peer_down: float | None, mode: str, chunk_mib: float,
     upload_slots: int | None = None, rtt: tuple[float, float] | None = None, nat: int = 0, loss: float = 0.0,
-    versions: int = 0, every: float = 2.0, idle_restart: bool = True, tcp: str = "",
+    versions: int = 0, every: float = 2.0, idle_restart: bool = True, tcp: str = "", peer_pace: float = 0.0,
 ) -> dict[str, Any]:  # fmt: skip
     """`chunk_mib` 0: the learner's own chunk size; `upload_slots` None: the nodes' own (0: all at once).
     With `rtt` (ms, lo and hi) every node runs on a site of an echo_cli.netlab.Wan whose links do the
     rate caps, delays and `loss`, the last `nat` peers behind NAT routers; else on 127.0.0.1, capped by the
     hosts' own token buckets; `idle_restart` False turns Linux's slow start after idle off on every site,
-    `tcp` sets every site's TCP congestion control (the result says which ran: it changes the figures).
+    `tcp` sets every site's TCP congestion control (the result says which ran: it changes the figures),
+    `peer_pace` > 0 has each peer's own host pace its uploads at that share of `peer_up` (with `rtt`).
     With `versions`, the learner then publishes that many more versions of `size_mb`, `every` seconds
     apart, and the result is each peer's time from publication to holding one."""
     node = [sys.executable, "-m", "echo_cli.bench_broadcast", "node"]
@@ -252,7 +253,10 @@ def run_broadcast_bench(
         learner_cap = ["--up", str(learner_up)] if wan is None else []
         seeder, info = spawn(["seeder", "--size-mb", str(size_mb), *learner_cap, "--chunk-mib", str(chunk_mib), *slots,
                               *timed], 0)  # fmt: skip
-        peer_cap = ["--up", str(peer_up)] if wan is None else []
+        if wan is None:  # the hosts' own token buckets are the links
+            peer_cap = ["--up", str(peer_up)]
+        else:  # the links cap; a peer may also pace itself (its host's token bucket) under its link's rate
+            peer_cap = ["--up", str(peer_up * peer_pace)] if peer_pace else []
         workers = [
             spawn(["peer", "--learner", info["addr"], *peer_cap, "--mode", mode, *caps, *slots, *timed], k + 1)[0]
             for k in range(peers)
@@ -326,6 +330,7 @@ def run_broadcast_bench(
         "loss": loss,
         "idle_restart": idle_restart,
         "tcp": tcp,
+        "peer_pace": peer_pace,
         "cpu_count": os.cpu_count(),
     }
 

@@ -123,6 +123,9 @@ def bench_broadcast(
     tcp: str = typer.Option(
         "", "--tcp", help="With --rtt: TCP congestion control on all sites, e.g. reno (default: the machine's)."
     ),
+    peer_pace: float = typer.Option(
+        0.0, "--peer-pace", help="With --rtt: peers pace their own uploads at this share of --peer-up (0: off)."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Seconds until N peer processes hold a verified version, against star and the bound T_min.
@@ -159,12 +162,14 @@ def bench_broadcast(
         raise fail("--no-idle-restart needs --rtt (it is set in the test bed's namespaces)")
     if tcp and (not rtt or not tcp.isalnum()):
         raise fail(f"--tcp needs --rtt and a congestion control's name (reno, cubic, bbr), got {tcp!r}")
+    if peer_pace and (not rtt or not 0.1 <= peer_pace <= 1.5):
+        raise fail(f"--peer-pace must be 0 (off) or 0.1 to 1.5, and needs --rtt, got {peer_pace}")
     if not 0 <= versions <= 1000 or not 0.1 <= every <= 60:
         raise fail(f"--versions must be 0 to 1000 and --every 0.1 to 60 s, got {versions} and {every}")
     try:
         result = run_broadcast_bench(
             peers, size, learner_up, peer_up, peer_down or None, mode, chunk_mib, upload_slots, span, nat, loss,
-            versions, every, idle_restart, tcp,
+            versions, every, idle_restart, tcp, peer_pace,
         )  # fmt: skip
     except BedError as exc:  # the test bed refused a setting (--tcp NAME this kernel does not allow)
         raise fail(str(exc)) from None
