@@ -346,7 +346,9 @@ def test_a_verifiers_environment_plays_and_replays(tiny):
     """tests/vf_guess.py, a verifiers MultiTurnEnv: its env_response writes the observations, its rubric the
     return; the learner's replay reruns the verifiers rollout and catches a changed observation or return."""
     rules = rules_for(tiny, "verifiers:tests.vf_guess", {"high": 8})
-    assert make_env("verifiers:tests.vf_guess", {"high": 8})().reset(5).startswith("I picked a whole number")
+    probe = make_env("verifiers:tests.vf_guess", {"high": 8})()
+    assert probe.reset(5).startswith("I picked a whole number")
+    probe.close()  # its rollout waits for the model's turn: left open, the check at the end saw it until gc ran
     request = GenerationRequest(tiny.render_prompt("guess"), 1, 0, episode=5)  # row 5: the number is 6
     [[episode]] = play_episodes(scripted(rules.chat, ["4", "7", "6"]), [request], SamplingParams(), rules)
     assert episode.finish_reason == "stop" and len(episode.spans) == 5 and episode.reward == pytest.approx(0.8)
