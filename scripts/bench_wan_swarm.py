@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--learner-arg", action="append", default=[], help="one more `learner start` flag")
+    parser.add_argument("--worker-arg", action="append", default=[],
+                        help="one more `worker join` flag, e.g. --uplink-mbit=20")
     parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args()
     if why := missing():
@@ -66,7 +68,7 @@ def main() -> None:
                 procs.append(subprocess.Popen(
                     [*wan.exec_prefix(wan.ns[k + 1]), *echo, "worker", "join", "--learner", addr, "--name", f"w{k}",
                      "--identity", str(tmp / f"w{k}.key"), "--work-dir", str(tmp / f"w{k}"), "--threads", "1",
-                     "--max-groups", "1"],
+                     "--max-groups", "1", *args.worker_arg],
                     cwd=ROOT, stdout=open(tmp / f"w{k}.log", "w"), stderr=subprocess.STDOUT,
                 ))  # fmt: skip
             started = time.monotonic()

@@ -78,8 +78,11 @@ def test_workers_on_one_machine_get_their_own_identity_and_store_and_share_none(
     assert gpu1.name == "gpu1" and gpu1.identity.endswith("worker-gpu1.key") and gpu1.work_dir.endswith("worker-gpu1")
     assert named.identity.endswith("worker-laptop.key") and named.work_dir == str(tmp_path)  # given: kept
     assert len({plain.identity, gpu1.identity, named.identity}) == 3
+    assert plain.upload_bps() is None and worker(uplink_mbit="20").upload_bps() == 20e6 * 0.9 / 8  # paced at 90%
     for bad, message in [({"name": "a/b"}, "worker.name"), ({"gpu": "-2"}, "worker.gpu"),
-                         ({"announce": "1.2.3.4:4001"}, "worker.announce")]:  # fmt: skip
+                         ({"announce": "1.2.3.4:4001"}, "worker.announce"),
+                         ({"uplink_mbit": "-1"}, "worker.uplink_mbit"),
+                         ({"uplink_mbit": "nan"}, "worker.uplink_mbit")]:  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             worker(**bad)
 

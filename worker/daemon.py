@@ -55,7 +55,7 @@ from p2p.messages import (
     describe_hardware,
     sampled_count,
 )
-from worker.config import WorkerConfig
+from worker.config import UPLINK_PACE, WorkerConfig
 from worker.engines import generate_lease, make_engine
 from worker.fetcher import VersionFetcher
 
@@ -108,8 +108,10 @@ class WorkerDaemon:
         cfg = self.cfg
         work_dir = Path(cfg.work_dir).expanduser()
         self._identity_lock = hold_identity(cfg.identity)  # one worker process per identity (and store)
-        self.host = Host(load_identity(cfg.identity), HostConfig(listen=[cfg.listen])).start()
-        log.info("worker %s listening on %s", self.host.peer_id, self.host.addrs[0])
+        host_cfg = HostConfig(listen=[cfg.listen], upload_bps=cfg.upload_bps())  # paced if the uplink is given
+        self.host = Host(load_identity(cfg.identity), host_cfg).start()
+        paced = f", sending at most {cfg.uplink_mbit * UPLINK_PACE:g} Mbit/s" if cfg.uplink_mbit else ""
+        log.info("worker %s listening on %s%s", self.host.peer_id, self.host.addrs[0], paced)
         store = ChunkStore(spill_dir=work_dir / "chunks", persist=True)
         found = store.recover(cfg.learner.rsplit("/p2p/", 1)[-1])  # what a previous run of this worker fetched
         if found["versions"]:
