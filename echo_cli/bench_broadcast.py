@@ -60,6 +60,7 @@ def node_main(argv: list[str]) -> None:
     config = HostConfig(
         listen=[args.listen], upload_bps=args.up * MBIT if args.up else None,
         download_bps=args.down * MBIT if args.down else None,
+        relay=args.role == "seeder", hole_punch=args.role == "peer",  # as the learner and worker join do
     )  # fmt: skip
     key = new_identity()
     host = Host(key, config).start()
@@ -94,16 +95,19 @@ def node_main(argv: list[str]) -> None:
     )  # fmt: skip
     peer.join()
     say(ready=True, addr=host.addrs[0])
-    line = sys.stdin.readline().split()  # "connect N": every peer has joined; connect to the N others
-    others = int(line[1]) if len(line) > 1 else 0
+    # "connect N P": every peer has joined; connect to the N others that can be dialled, and to P behind NATs
+    line = sys.stdin.readline().split()
+    others, behind = (int(line[1]) if len(line) > 1 else 0), (int(line[2]) if len(line) > 2 else 0)
     tick = time.perf_counter()
     for _ in range(120):  # learn the full peer list and connect to every peer (swarm mode), as workers that were
-        peer.join()  # in the swarm before a version are (the learner lists a peer once it dialled it back)
-        if star or peer.wait_for_peers(others, 1.0):
+        peer.join()  # in the swarm before a version are (the learner lists a peer once it dialled it back, and
+        # tells a peer behind NAT so once the dial-back failed: then it punches holes to the others behind NATs)
+        if star or (peer.wait_for_peers(others, 1.0) and len(peer.punched()) >= behind):
             break
     say(
         connected=len(peer.peers) >= others or star,
         peers=len(peer.peers),
+        punched=len(peer.punched()),
         connect_s=round(time.perf_counter() - tick, 2),
     )
     sys.stdin.readline()  # go
@@ -215,13 +219,16 @@ def run_broadcast_bench(
     peers: int, size_mb: float, learner_up: float, peer_up: float, peer_down: float | None, mode: str, chunk_mib: float,
     upload_slots: int | None = None, rtt: tuple[float, float] | None = None, nat: int = 0, loss: float = 0.0,
     versions: int = 0, every: float = 2.0, idle_restart: bool = True, tcp: str = "", peer_pace: float = 0.0,
+    learner_pace: float = 0.0,
 ) -> dict[str, Any]:  # fmt: skip
     """`chunk_mib` 0: the learner's own chunk size; `upload_slots` None: the nodes' own (0: all at once).
     With `rtt` (ms, lo and hi) every node runs on a site of an echo_cli.netlab.Wan whose links do the
     rate caps, delays and `loss`, the last `nat` peers behind NAT routers; else on 127.0.0.1, capped by the
     hosts' own token buckets; `idle_restart` False turns Linux's slow start after idle off on every site,
     `tcp` sets every site's TCP congestion control (the result says which ran: it changes the figures),
-    `peer_pace` > 0 has each peer's own host pace its uploads at that share of `peer_up` (with `rtt`).
+    `peer_pace` > 0 has each peer's own host pace its uploads at that share of `peer_up` (with `rtt`), and
+    `learner_pace` the learner's at that share of `learner_up` (`uplink_mbit` in a learner's or worker's
+    config paces at 0.9).
     With `versions`, the learner then publishes that many more versions of `size_mb`, `every` seconds
     apart, and the result is each peer's time from publication to holding one."""
     node = [sys.executable, "-m", "echo_cli.bench_broadcast", "node"]
@@ -250,7 +257,7 @@ def run_broadcast_bench(
         caps = ["--down", str(peer_down)] if peer_down and wan is None else []
         upload_slots = UPLOAD_SLOTS if upload_slots is None else upload_slots
         slots = ["--upload-slots", str(upload_slots)]
-        learner_cap = ["--up", str(learner_up)] if wan is None else []
+        learner_cap = ["--up", str(learner_up * (learner_pace or 1.0))] if wan is None or learner_pace else []
         seeder, info = spawn(["seeder", "--size-mb", str(size_mb), *learner_cap, "--chunk-mib", str(chunk_mib), *slots,
                               *timed], 0)  # fmt: skip
         if wan is None:  # the hosts' own token buckets are the links
@@ -264,7 +271,7 @@ def run_broadcast_bench(
         behind_nat = [wan is not None and wan.sites[k + 1].nat for k in range(peers)]
         public = behind_nat.count(False)
         for w, hidden in zip(workers, behind_nat, strict=True):  # peers connect to the others they can reach
-            w.stdin.write(f"connect {public - (0 if hidden else 1)}\n")  # before the clock starts, as joined
+            w.stdin.write(f"connect {public - (0 if hidden else 1)} {nat - 1 if hidden else 0}\n")  # as joined
             w.stdin.flush()  # swarm workers are (nobody can dial a peer behind NAT)
         connected = [json.loads(w.stdout.readline() or "{}") for w in workers]
         if versions:
@@ -316,6 +323,7 @@ def run_broadcast_bench(
         "slowest_fetch_s": round(max(r["fetch_s"] for r in results), 2),
         "slowest_verify_s": round(max(r["verify_s"] for r in results), 2),
         "connect_s_max": max(c.get("connect_s", 0.0) for c in connected),
+        "punched": [c.get("punched", 0) for c in connected],  # per peer: direct connections hole punched
         "t_min_s": round(bound, 2),
         "star_s": round(star, 2),
         "vs_t_min": round(wall / bound, 3),
@@ -331,6 +339,7 @@ def run_broadcast_bench(
         "idle_restart": idle_restart,
         "tcp": tcp,
         "peer_pace": peer_pace,
+        "learner_pace": learner_pace,
         "cpu_count": os.cpu_count(),
     }
 

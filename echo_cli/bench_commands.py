@@ -126,6 +126,9 @@ def bench_broadcast(
     peer_pace: float = typer.Option(
         0.0, "--peer-pace", help="With --rtt: peers pace their own uploads at this share of --peer-up (0: off)."
     ),
+    learner_pace: float = typer.Option(
+        0.0, "--learner-pace", help="With --rtt: the learner paces its uploads at this share of --learner-up."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Seconds until N peer processes hold a verified version, against star and the bound T_min.
@@ -162,14 +165,15 @@ def bench_broadcast(
         raise fail("--no-idle-restart needs --rtt (it is set in the test bed's namespaces)")
     if tcp and (not rtt or not tcp.isalnum()):
         raise fail(f"--tcp needs --rtt and a congestion control's name (reno, cubic, bbr), got {tcp!r}")
-    if peer_pace and (not rtt or not 0.1 <= peer_pace <= 1.5):
-        raise fail(f"--peer-pace must be 0 (off) or 0.1 to 1.5, and needs --rtt, got {peer_pace}")
+    for name, pace in (("--peer-pace", peer_pace), ("--learner-pace", learner_pace)):
+        if pace and (not rtt or not 0.1 <= pace <= 1.5):
+            raise fail(f"{name} must be 0 (off) or 0.1 to 1.5, and needs --rtt, got {pace}")
     if not 0 <= versions <= 1000 or not 0.1 <= every <= 60:
         raise fail(f"--versions must be 0 to 1000 and --every 0.1 to 60 s, got {versions} and {every}")
     try:
         result = run_broadcast_bench(
             peers, size, learner_up, peer_up, peer_down or None, mode, chunk_mib, upload_slots, span, nat, loss,
-            versions, every, idle_restart, tcp, peer_pace,
+            versions, every, idle_restart, tcp, peer_pace, learner_pace,
         )  # fmt: skip
     except BedError as exc:  # the test bed refused a setting (--tcp NAME this kernel does not allow)
         raise fail(str(exc)) from None

@@ -74,22 +74,23 @@ def render(doc: dict) -> Group:
     for key, value in rows:
         run.add_row(key, value)
     peers = Table(title=f"{len(doc['peers'])} peers")
-    columns = ("peer", "address", "state", "$/h", "ver", "lag", "newest", "tok/s", "leases", "groups")
+    columns = ("peer", "address", "reach", "state", "$/h", "ver", "lag", "newest", "tok/s", "leases", "groups")
     for col in (*columns, "refused", "stale", "seen"):
-        peers.add_column(col, justify="left" if col in ("peer", "address", "state") else "right", no_wrap=True)
+        peers.add_column(col, justify="left" if col in ("peer", "address", "reach", "state") else "right", no_wrap=True)
     peers.add_column("runs on", overflow="fold")
     notes = []
     for p in doc["peers"]:
         active = p.get("active", True)
         if not active:
             notes.append(f"{p['peer_id'][-8:]}: {p.get('activity', '')}")
-        if p.get("addr") and p.get("listed") is False:
+        if p.get("reach") == "nat":
             seen = f", seen at {short_addr(p['observed'])}" if p.get("observed") else ""
-            notes.append(f"{p['peer_id'][-8:]}: behind a NAT (its address does not reach it{seen}); it dials out")
+            direct = f", direct to {p['punched']} behind NATs (hole punched)" if p.get("punched") else ""
+            notes.append(f"{p['peer_id'][-8:]}: behind a NAT{seen}; it dials out{direct}")
         if p.get("flagged"):
             notes.append(f"{p['peer_id'][-8:]} flagged: {p['flagged']}")
         peers.add_row(
-            p["peer_id"][-8:], short_addr(p.get("addr")),
+            p["peer_id"][-8:], short_addr(p.get("addr")), reach_cell(p),
             "[red]flagged[/]" if p.get("flagged") else "active" if active else "[yellow]inactive[/]",
             f"{p['price']:.2f}", str(p["version"]), "-" if p["version_lag"] is None else str(p["version_lag"]),
             f"{p['newest_share']:.0%}", f"{p['tokens_per_s']:.0f}", str(p["open_leases"]), str(p["groups_accepted"]),
@@ -164,3 +165,11 @@ def show_status(addr: str, as_json: bool, watch: bool, timeout: float, interval:
                     print(json.dumps(doc), flush=True)
                 else:
                     live.update(render(doc), refresh=True)
+
+
+def reach_cell(peer: dict) -> str:
+    """public; NAT (it dials out); NAT+K (and holds K hole-punched connections to peers behind NATs); ?."""
+    reach = peer.get("reach")
+    if reach == "nat":
+        return f"NAT+{peer['punched']}" if peer.get("punched") else "NAT"
+    return "public" if reach == "public" else "?"

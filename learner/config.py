@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from p2p.config import require
+from p2p.config import check_uplink, require
 
 DEVICE_NAMES = re.compile(r"auto|cpu|cuda(:\d+)?")  # what --device accepts (learner.train.devices)
 
@@ -250,8 +250,12 @@ class SwarmConfig:
     refuse llama.cpp workers if it departs from the learner (holds an F16 copy of the model once)."""
     read_timeout: float = 30.0
     """Seconds a peer has to deliver a whole request (a slow peer cannot hold the learner's streams open)."""
+    uplink_mbit: float = 0.0
+    """The learner's upload speed, Mbit/s: what it sends is paced at 90% of it (broadcasts end sooner; 0: unpaced)."""
     upload_bps: float = 0.0
-    """Cap on the learner's upload in bytes/s, e.g. to emulate a home uplink (0 = no cap)."""
+    """A hard cap on the learner's upload in bytes/s, e.g. to emulate a home uplink (0 = no cap)."""
+    relay: bool = True
+    """Relay the hole punches of workers behind NATs (handshakes only: their chunks never cross the learner)."""
     secret_file: str = ""
     """File holding the swarm secret: only workers proving it (HMAC challenge) get work ("": no secret)."""
     allow: str = ""
@@ -276,6 +280,7 @@ class SwarmConfig:
         require(self.min_workers >= 1, "swarm.min_workers", f"must be >= 1, got {self.min_workers}")
         require(self.read_timeout > 0, "swarm.read_timeout", f"must be > 0, got {self.read_timeout}")
         require(self.upload_bps >= 0, "swarm.upload_bps", f"must be >= 0 (0: no cap), got {self.upload_bps}")
+        check_uplink(self.uplink_mbit, "swarm.uplink_mbit")
         require(self.verify_first >= 0, "swarm.verify_first", f"must be >= 0, got {self.verify_first}")
         require(
             0 <= self.verify_fraction <= 1, "swarm.verify_fraction", f"must be in [0, 1], got {self.verify_fraction}"

@@ -70,6 +70,7 @@ from p2p.peer_list import (
     checked_addr,
     listed_addrs,
 )
+from p2p.punch import checked_ip, tcp_ip
 from p2p.versions import PolicyVersion
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ REGIVE_AFTER = CHUNK_TIMEOUT + (4 << 20) / CHUNK_MIN_RATE
 # arrived, so k replies sharing an uplink each take k times longer to become useful to the swarm; two, not
 # one, so that the uplink does not idle between a reply and the next request (docs/benchmarks.md "Broadcast")
 UPLOAD_SLOTS = 2
+PUNCH_TIMEOUT = 30.0  # seconds a hole punch to a peer behind NAT may take (relayed dial, then DCUtR's 3 rounds)
+RESERVE_EVERY = 300.0  # seconds between a NATed worker's reservations at the relay (a restarted learner forgets)
 
 
 class VersionDropped(RemoteError):
@@ -249,6 +252,7 @@ class Seeder(ChunkServer):
         # a peer that leaves the registry leaves with its have-maps
         self.registry = PeerRegistry(host.guard.banned_peers, super().forget, silence, clock)
         host.watch_requests(self.registry.heard)
+        host.relay_for = self.registry.has  # with HostConfig(relay=True): hole punches of peers that joined
         host.handle(JOIN, self._on_join)
         # what each claim was given: (version, from the snapshots) -> copies sent of each chunk, and
         # -> peer -> chunk -> when it was last given to that peer
@@ -299,7 +303,12 @@ class Seeder(ChunkServer):
         self._announcer.close()
 
     def _on_join(self, peer: str, msg: dict) -> dict:
-        return {"peers": self.registry.join(peer, msg.get("addrs")), "dialling_out": self.registry.dialling_out(peer)}
+        """The peer list; the peers nobody can dial, with the IP each was seen at (where a hole punch may dial
+        it); and what the dial-back found of the joiner (False: it is behind a NAT)."""
+        listed, out = self.registry.join(peer, msg.get("addrs")), self.registry.dialling_out(peer)
+        behind = self.registry.behind_nat(peer)  # not those whose dial-back is under way
+        seen = {p: ip for p in behind if (ip := tcp_ip(self.host.observed.get(p, "")))}
+        return {"peers": listed, "dialling_out": out, "seen": seen, "reached": self.registry.reached(peer)}
 
     def _on_chunk(self, peer: str, msg: dict) -> dict:
         return self._on_claim(peer, msg) if "want" in msg else super()._on_chunk(peer, msg)
@@ -417,6 +426,8 @@ class BroadcastPeer(ChunkServer):
         self._traders = ThreadPoolExecutor(max_workers=8, thread_name_prefix="have")  # have-map trades at once
         self.on_announce: Callable[[int], None] | None = None  # told of each version the learner announces
         self.dialling_out: set[str] = set()  # peers the learner says joined but cannot be dialled (behind NAT)
+        self.behind_nat = False  # the learner's dial-back could not reach us (p2p.punch)
+        self._reserved_at = -RESERVE_EVERY  # when we last held a slot at the learner's relay
         host.handle(ANNOUNCE, self._on_announce)
 
     def join(self, timeout: float = 10.0, learner: str | None = None) -> None:
@@ -430,6 +441,59 @@ class BroadcastPeer(ChunkServer):
         out = reply.get("dialling_out") if isinstance(reply, dict) else None
         if isinstance(out, list):  # joined peers nobody can dial: asked only over a connection they opened to us
             self.dialling_out = {p for p in out[:MAX_PEERS] if isinstance(p, str)}
+        if isinstance(reply, dict) and self.host.config.hole_punch and self.use_peers:
+            self.behind_nat = reply.get("reached") is False
+            seen = reply.get("seen")
+            self._punch_holes(seen if isinstance(seen, dict) else {})
+
+    def _punch_holes(self, seen: dict) -> None:
+        """Behind a NAT, reach the other peers behind NATs by hole punching (p2p.punch): hold a slot at the
+        learner's relay so that they can, and punch to those whose peer id sorts after ours (one of each
+        pair starts). A punch dials a peer only at the IP the learner saw it at."""
+        for peer in [p for p in self.dialling_out if p in seen][:MAX_PEERS]:
+            if ip := checked_ip(seen[peer]):
+                self.host.allow_punch(peer, ip)
+        if not self.behind_nat:
+            return
+        now = time.monotonic()
+        if now - self._reserved_at >= RESERVE_EVERY and self._dials.submit(self._reserve):
+            self._reserved_at = now
+        direct = self.host.direct_peers()
+        for peer in sorted(p for p in self.dialling_out if p in seen and p > self.host.peer_id):
+            if not self._should_dial(peer, now) or peer in direct:
+                continue
+            with self._peers_changed:
+                self._dialling.add(peer)
+            if not self._dials.submit(partial(self._punch, peer)):
+                with self._peers_changed:
+                    self._dialling.discard(peer)
+                break
+
+    def _reserve(self) -> None:
+        try:
+            self.host.reserve(self.learner)
+        except PeerUnavailable as exc:
+            self._reserved_at = time.monotonic() - RESERVE_EVERY + DIAL_RETRY  # try again soon
+            log.debug("no slot at the learner's relay: %s", exc)
+
+    def _punch(self, peer: str) -> None:
+        """Hole punch to a peer behind NAT (a background job, like a dial)."""
+        try:
+            if self.host.punch(peer, self.learner_addr, timeout=PUNCH_TIMEOUT):
+                log.info("direct connection to %s, behind a NAT as we are (hole punched)", peer[-8:])
+            else:
+                self._skip(peer, "the hole punch found no direct path")
+        finally:
+            with self._peers_changed:
+                self._dialling.discard(peer)
+                self._peers_changed.notify_all()
+
+    def punched(self) -> list[str]:
+        """The peers behind NATs we hold a direct connection to while behind a NAT ourselves (hole punched)."""
+        if not self.behind_nat:
+            return []
+        direct = self.host.direct_peers()
+        return [p for p in self.dialling_out if p in direct and p not in self.peers]
 
     def _on_announce(self, peer: str, msg: dict) -> dict:
         """The learner published a version: say so to whoever listens (the worker's fetcher syncs at once)."""
@@ -885,7 +949,8 @@ class BroadcastPeer(ChunkServer):
                 self.peer_have[peer][version] = have
 
         learner = [self.learner_addr] if self._alive(self.learner) else []
-        list(self._traders.map(trade, [*learner, *(p for p in list(self.peers) if self._alive(p))]))
+        peers = [*self.peers, *self.punched()]
+        list(self._traders.map(trade, [*learner, *(p for p in peers if self._alive(p))]))
         if time.monotonic() - self._last_join > 2.0:  # learn about peers that joined after us, and who left
             self._last_join = time.monotonic()
             try:

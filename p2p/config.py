@@ -4,6 +4,21 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+# Share of a declared uplink a host paces everything it sends at (swarm.uplink_mbit, worker.uplink_mbit): on the
+# WAN test bed, 64 MiB to 6 peers at 20 Mbit/s, 2 behind NAT, took 1.21-1.22x T_min with the learner and peers
+# paced at 90%, 1.26-1.31x with peers only, 1.31-1.48x unpaced (docs/benchmarks.md).
+UPLINK_PACE = 0.9
+
+
+def paced_bps(uplink_mbit: float) -> float | None:
+    """Bytes/s a host with an uplink of `uplink_mbit` Mbit/s paces its sends at; None for 0 (unpaced)."""
+    return uplink_mbit * UPLINK_PACE * 1e6 / 8 or None
+
+
+def check_uplink(uplink_mbit: float, key: str) -> None:
+    require(uplink_mbit == 0 or 0.1 <= uplink_mbit <= 100_000, key,
+            f"must be 0 (unpaced) or 0.1 to 100000 Mbit/s, got {uplink_mbit}")  # fmt: skip
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the key and what is allowed."""

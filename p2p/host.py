@@ -41,14 +41,20 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.protocol_muxer.multiselect import MULTISELECT_PROTOCOL_ID as MULTISELECT
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as RELAY_HOP
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.address_validation import expand_wildcard_address
 from libp2p.utils.varint import encode_delim, read_varint_prefixed_bytes_limited
 
 from p2p.guard import PeerGuard, TokenBucket
 from p2p.identity import peer_id_of
 from p2p.messages import MessageError
+from p2p.punch import CheckedDCUtR, GatedRelay
 from p2p.wire import (
     DEFAULT_MAX_FRAME,
     HEADER,
@@ -130,6 +136,10 @@ class HostConfig:
     """Seconds over which penalties are counted."""
     ban_seconds: float = 120.0
     """How long a ban lasts."""
+    relay: bool = False
+    """Serve as a circuit relay for the hole punches of peers behind NAT (the learner; p2p.punch)."""
+    hole_punch: bool = False
+    """Accept relayed connections and upgrade them to direct ones by hole punching (workers; p2p.punch)."""
 
 
 class Host:
@@ -158,6 +168,10 @@ class Host:
         # recent peers (trio thread only)
         self._book: dict[str, list[multiaddr.Multiaddr]] = {}
         self._dial_locks: dict[str, trio.Lock] = {}
+        self.relay_for: Callable[[str], bool] = lambda peer: False  # with config.relay: the peers it relays for
+        self._punch_ips: dict[str, str] = {}  # peer -> the only IP a hole punch may dial it at (allow_punch)
+        self._circuits: CircuitV2Transport | None = None  # with config.hole_punch
+        self._dcutr: CheckedDCUtR | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -208,8 +222,17 @@ class Host:
         self._up = TokenBucket(self.config.upload_bps) if self.config.upload_bps else None
         self._down = TokenBucket(self.config.download_bps) if self.config.download_bps else None
         self._decoders = trio.CapacityLimiter(4)  # threads decoding requests at once
-        async with host.run(listen_addrs=listen):
+        async with host.run(listen_addrs=listen), contextlib.AsyncExitStack() as services:
             await _stop_auto_dials(host)
+            if self.config.relay:
+                relay = GatedRelay(host, lambda peer: self.relay_for(peer))
+                await services.enter_async_context(background_trio_service(relay))
+            if self.config.hole_punch:
+                stop = CircuitV2Protocol(host, allow_hop=False)  # accepts the connections relayed to us
+                await services.enter_async_context(background_trio_service(stop))
+                self._circuits = CircuitV2Transport(host, stop, RelayConfig(roles=RelayRole.STOP | RelayRole.CLIENT))
+                self._dcutr = CheckedDCUtR(host, self._punch_ips)
+                await services.enter_async_context(background_trio_service(self._dcutr))
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self._token = trio.lowlevel.current_trio_token()
@@ -333,6 +356,82 @@ class Host:
             raise
         except Exception as exc:  # noqa: BLE001 - timeouts, refused dials, failed handshakes, another peer
             raise PeerUnavailable(f"cannot reach {addr}: {type(exc).__name__}: {exc}") from None
+
+    # -- hole punching (p2p.punch) ------------------------------------------------------------------
+
+    def reserve(self, relay: str, timeout: float = 10.0) -> None:
+        """Hold a slot at circuit relay `relay` (a peer id we are connected to) so that peers can reach us
+        through it to punch a hole; py-libp2p renews it. Raises PeerUnavailable if refused or unreachable."""
+
+        async def call() -> bool:
+            stream = None
+            with trio.fail_after(timeout):
+                relay_id = ID.from_base58(relay)
+                await self._connection(relay_id)
+                stream = await self._host.new_stream(relay_id, [RELAY_HOP])
+                try:
+                    return await self._circuits.reserve(stream, relay_id, self._nursery)
+                finally:
+                    await _close_quietly(stream)
+
+        if self._circuits is None:
+            raise RuntimeError("this host was started without hole_punch")
+        try:
+            reserved = self._run(call)
+        except PeerUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - refused stream, timeout, reset
+            raise PeerUnavailable(f"no slot at relay {relay[-8:]}: {type(exc).__name__}: {exc}") from None
+        if not reserved:
+            raise PeerUnavailable(f"relay {relay[-8:]} refused a slot")
+
+    def allow_punch(self, peer: str, ip: str) -> None:
+        """A hole punch with `peer` (ours or its) may dial it at `ip` only: where the learner saw it."""
+        self._punch_ips.pop(peer, None)
+        self._punch_ips[peer] = ip
+        if len(self._punch_ips) > MAX_OBSERVED:
+            self._punch_ips.pop(next(iter(self._punch_ips)))
+
+    def punch(self, peer: str, relay_addr: str, timeout: float = 30.0) -> bool:
+        """Try for a direct connection to `peer` (behind a NAT, holding a slot at the relay `relay_addr`, a
+        full multiaddr): a relayed connection, then DCUtR's simultaneous dials at the IP allow_punch gave.
+        Whether a direct connection to `peer` exists after; never raises for a punch that failed."""
+        if self._circuits is None or self._dcutr is None:
+            raise RuntimeError("this host was started without hole_punch")
+        peer_id = ID.from_base58(peer)
+
+        async def call() -> bool:
+            with trio.move_on_after(timeout):
+                if not self._direct(peer_id):
+                    await self._circuits.dial(multiaddr.Multiaddr(f"{relay_addr}/p2p-circuit/p2p/{peer}"))
+                    await self._dcutr.initiate_hole_punch(peer_id)
+            return self._direct(peer_id)
+
+        try:
+            return bool(self._run(call))
+        except PeerUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the relay refused (no slot), a reset, a failed handshake
+            log.debug("hole punch to %s failed: %s: %s", peer[-8:], type(exc).__name__, exc)
+            return False
+
+    def direct(self, peer: str) -> bool:
+        """Whether a live connection to `peer` exists that is not relayed."""
+        return self._run_sync(self._direct, ID.from_base58(peer))
+
+    def direct_peers(self) -> set[str]:
+        """The peers we hold a live connection to that is not relayed (one call for all of them)."""
+        network = self._host.get_network()
+        return self._run_sync(lambda: {p.to_base58() for p in list(network.connections) if self._direct(p)})
+
+    def _direct(self, peer_id: ID) -> bool:
+        for conn in self._host.get_network().get_connections(peer_id):
+            if conn is None or getattr(conn, "is_closed", False):
+                continue
+            with contextlib.suppress(Exception):
+                if not any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses()):
+                    return True
+        return False
 
     def watch_requests(self, watcher: Callable[[str], None]) -> None:
         """Have `watcher(peer_id)` called for every request that passed the gate (before its handler runs),

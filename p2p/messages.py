@@ -224,8 +224,8 @@ MIN_TOKENS_PER_S = 1e-3
 no worker, and a tiny float (1e-307) would be flushed to 0 by the learner's arithmetic and divide by zero."""
 
 
-def _int(msg: dict, key: str, low: int, high: int) -> int:
-    value = msg.get(key)
+def _int(msg: dict, key: str, low: int, high: int, default: int | None = None) -> int:
+    value = msg.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise MessageError(f"{key!r} must be an integer in [{low}, {high}], got {str(value)[:40]!r}")
     return value
@@ -279,6 +279,7 @@ class Heartbeat:
     tokens_per_s: float = 0.0
     price: float = 0.0
     hardware: dict = field(default_factory=dict)  # short strings and small integers only
+    punched: int = 0  # peers behind NATs it reached by hole punching (its own word: shown in status, nothing more)
 
     HARDWARE_KEYS = ("engine", "threads", "max_batch", "machine", "cores", "backend", "gpu", "gpu_mem_mb", "gpu_layers")
 
@@ -288,6 +289,7 @@ class Heartbeat:
             "tokens_per_s": self.tokens_per_s,
             "price": self.price,
             "hardware": self.hardware,
+            "punched": self.punched,
         }
 
     @classmethod
@@ -306,7 +308,8 @@ class Heartbeat:
         if 0.0 < tokens_per_s < MIN_TOKENS_PER_S:
             raise MessageError(f"'tokens_per_s' must be 0 (unmeasured) or >= {MIN_TOKENS_PER_S}, got {tokens_per_s!r}")
         price = _float(msg, "price", 0.0, MAX_RATE, 0.0)
-        return cls(_int(msg, "version", -1, MAX_VERSION), tokens_per_s, price, kept)
+        punched = _int(msg, "punched", 0, 1 << 16, 0)
+        return cls(_int(msg, "version", -1, MAX_VERSION), tokens_per_s, price, kept, punched)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ DIAL_TIMEOUT = 6.0  # seconds a worker gives one listed address of a peer (PROBE
 DIAL_WORKERS = 4  # a worker's dials at once
 DIAL_BACKLOG = 16  # peers a worker is dialling or about to; the rest of a list waits for the next refresh
 DIAL_RETRY = 30.0  # seconds before a worker dials a listed peer it could not reach again
+REACH = {True: "public", False: "nat", None: "unchecked"}  # PeerRegistry.reached's verdicts as status shows them
 
 
 def checked_addr(addr: object, peer: str) -> str:
@@ -213,6 +214,12 @@ class Registered:
         fresh = [a for a in self.addrs if a not in self.verified and a not in self.probing]
         return [a for a in fresh if a not in self.failed or now - self.failed[a] >= PROBE_RETRY]
 
+    def reached(self) -> bool | None:
+        """True: an address reached it; False: every one it announced failed (behind a NAT); None: unchecked."""
+        if self.verified:
+            return True
+        return False if self.addrs and set(self.failed) >= set(self.addrs) else None
+
     def listed(self) -> list[str]:
         """What later joiners get: the verified addresses, in the order announced."""
         return [a for a in self.addrs if a in self.verified]
@@ -272,6 +279,26 @@ class PeerRegistry:
         NAT, or not checked yet): nobody can dial them, but a peer they dialled may fetch from them."""
         with self._lock:
             return [p for p, entry in self._registry.items() if p != joiner and not entry.verified]
+
+    def has(self, peer: str) -> bool:
+        """Whether `peer` is in the registry (joined, not gone): the learner relays hole punches for these."""
+        return peer in self._registry
+
+    def reached(self, peer: str) -> bool | None:
+        """The dial-back's verdict on `peer`: True (an address reached it), False (every one it announced
+        failed: behind a NAT), None (not checked yet, or not joined)."""
+        with self._lock:
+            entry = self._registry.get(peer)
+            return None if entry is None else entry.reached()
+
+    def behind_nat(self, joiner: str) -> list[str]:
+        """The peers besides `joiner` whose every announced address the dial-back failed to reach."""
+        with self._lock:
+            return [p for p, entry in self._registry.items() if p != joiner and entry.reached() is False]
+
+    def reach(self, peer: str) -> str:
+        """reached(peer) as `status` shows it: public, nat or unchecked."""
+        return REACH[self.reached(peer)]
 
     def listed(self, peer: str) -> list[str]:
         """The addresses of `peer` that later joiners are given (those its dial-back reached)."""

@@ -82,11 +82,13 @@ def main() -> None:
                 short = peer_id_of(load_identity(tmp / f"w{k}.key"))[-8:]
                 log = (tmp / f"w{k}.log").read_text()
                 installed = len(set(re.findall(r"now on v(\d+)", log)))
-                accepted = metrics[-1]["workers"].get(short, {}).get("groups_accepted", 0)
+                row = metrics[-1]["workers"].get(short, {})
+                accepted = row.get("groups_accepted", 0)
                 rows.append({
                     "worker": f"w{k}", "rtt_ms": round(wan.rtt_ms(0, k + 1)), "behind_nat": wan.sites[k + 1].nat,
                     "versions_installed": installed, "groups_accepted": accepted,
-                    "groups_per_s": round(accepted / seconds, 3), "tracebacks": log.count("Traceback"),
+                    "groups_per_s": round(accepted / seconds, 3), "punched": row.get("punched", 0),
+                    "tracebacks": log.count("Traceback"),
                 })  # fmt: skip
             print(json.dumps({"steps": len(metrics), "versions_published": len(metrics) + 1,
                               "seconds": round(seconds, 1), "workers": rows}))  # fmt: skip

@@ -141,7 +141,7 @@ def test_silent_addresses_are_dialled_back_in_the_background_and_never_handed_ou
         addrs = [f"/ip4/127.0.0.1/tcp/{s.port}/p2p/{attacker.peer_id}" for s in silent]
         addrs += [f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{attacker.peer_id}" for _ in range(4)]
         reply = attacker.request(learner.addrs[0], JOIN, {"addrs": addrs}, timeout=WAIT)
-        assert reply["peers"] == {}
+        assert reply["peers"] == {} and reply["reached"] is None  # no verdict yet: the dial-backs hang
         assert seeder.dial_back.pending >= 4  # the join was answered while its silent addresses hang
         assert all(s.dialled() for s in silent)  # the learner did dial them back
         later.join()  # while they hang: nothing of the attacker's is handed out
@@ -150,8 +150,10 @@ def test_silent_addresses_are_dialled_back_in_the_background_and_never_handed_ou
         for s in silent:
             s.close()
     assert seeder.dial_back.wait_idle(WAIT)  # every dial-back failed
-    attacker.request(learner.addrs[0], JOIN, {"addrs": addrs}, timeout=WAIT)  # joining again changes nothing:
-    assert seeder.dial_back.pending == 0  # failed addresses are not dialled back again at once
+    again = attacker.request(learner.addrs[0], JOIN, {"addrs": addrs}, timeout=WAIT)  # joining again changes
+    assert seeder.dial_back.pending == 0  # nothing: failed addresses are not dialled back again at once
+    assert again["reached"] is False and seeder.registry.reach(attacker.peer_id) == "nat"  # as if behind a NAT
+    assert seeder.registry.behind_nat(later.host.peer_id) == [attacker.peer_id]
     later.join()
     assert later.wait_dials(WAIT)
     assert later.peers == {} and not [a for a in dialled if attacker.peer_id in a]

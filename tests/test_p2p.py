@@ -211,6 +211,31 @@ def test_a_chunk_from_a_slow_uplink_arrives_though_it_takes_longer_than_the_time
     assert errors and "timed out" in errors[0]
 
 
+def test_a_hole_punch_is_relayed_only_for_allowed_peers_and_dials_only_where_the_learner_saw_the_peer(hosts):
+    """p2p.punch on loopback (tests/chaos/test_nat.py punches through NAT routers): the relay refuses a slot
+    to peers it was not told to serve; a punch gives a direct connection when the far peer is at the IP it
+    was allowed at, and none when that IP is elsewhere (DCUtR dials the addresses a peer reports of itself:
+    ours dials only those at the IP the learner observed)."""
+    relay = hosts(HostConfig(relay=True))
+    a, b, c = (hosts(HostConfig(hole_punch=True)) for _ in range(3))
+    for h in (a, b, c):
+        h.connect(relay.addrs[0])
+    with pytest.raises(PeerUnavailable, match="relay"):
+        b.reserve(relay.peer_id)  # by default a relay serves nobody
+    relay.relay_for = {a.peer_id, b.peer_id}.__contains__  # the learner's: the peers that joined
+    with pytest.raises(PeerUnavailable, match="relay"):
+        c.reserve(relay.peer_id)
+    b.reserve(relay.peer_id)
+    b.handle("/echo/test/1", lambda peer, msg: {"from": peer})
+    a.allow_punch(b.peer_id, "10.255.0.1")  # b was "seen" elsewhere: its reported addresses are not dialled
+    b.allow_punch(a.peer_id, "10.255.0.1")
+    assert not a.punch(b.peer_id, relay.addrs[0], timeout=8) and not a.direct(b.peer_id)
+    a.allow_punch(b.peer_id, "127.0.0.1")
+    b.allow_punch(a.peer_id, "127.0.0.1")
+    assert a.punch(b.peer_id, relay.addrs[0], timeout=30) and a.direct(b.peer_id) and b.direct(a.peer_id)
+    assert a.request(b.peer_id, "/echo/test/1", {}) == {"from": a.peer_id}
+
+
 def test_hosts_dial_only_whom_they_choose(hosts):
     # py-libp2p's auto-connector would dial every peer of the peerstore at the addresses it announced in
     # identify (the learner redialled killed workers every few seconds, and dialled addresses no dial-back

@@ -6,13 +6,10 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from p2p.config import require
+from p2p.config import check_uplink, paced_bps, require
 
 DEFAULT_IDENTITY = "~/.config/echo-rl/worker.key"
 DEFAULT_WORK_DIR = "~/.cache/echo-rl/worker"
-# Share of the declared uplink a worker paces its sends at: on the WAN test bed 90% gave 1.15-1.19x T_min for
-# 64 MiB to 6 workers (1.24-1.25x with 2 behind NAT) against 1.26-1.33x (1.35-1.41x) unpaced (docs/benchmarks.md).
-UPLINK_PACE = 0.9
 
 
 @dataclass
@@ -51,8 +48,10 @@ class WorkerConfig:
     """Multiaddr to listen on for other workers (0.0.0.0: every interface, each announced)."""
     announce: str = ""
     """Address to announce instead (a port forwarded on your router), e.g. /ip4/1.2.3.4/tcp/99."""
+    hole_punch: bool = True
+    """Behind a NAT, reach other workers behind NATs by hole punching (through the learner's relay)."""
     uplink_mbit: float = 0.0
-    """Your upload speed, Mbit/s (a speed test's figure): chunks to other workers are paced at 90% of it
+    """Your upload speed, Mbit/s (a speed test's figure): what the worker sends is paced at 90% of it
     rather than sent in bursts your router queues, which makes the whole swarm's broadcast faster (0: unpaced)."""
     secret_file: str = ""
     """File holding the swarm secret, if the learner requires one."""
@@ -61,7 +60,7 @@ class WorkerConfig:
 
     def upload_bps(self) -> float | None:
         """Bytes/s this worker's host paces everything it sends at, or None (unpaced)."""
-        return self.uplink_mbit * UPLINK_PACE * 1e6 / 8 or None
+        return paced_bps(self.uplink_mbit)
 
     def validate(self) -> None:
         require(self.learner.startswith("/") and "/p2p/" in self.learner, "worker.learner",
@@ -74,8 +73,7 @@ class WorkerConfig:
                 f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")  # fmt: skip
         require(0.05 <= self.poll_s <= 60, "worker.poll_s", f"must be within [0.05, 60] seconds, got {self.poll_s}")
         require(self.price >= 0, "worker.price", "must be >= 0")
-        require(self.uplink_mbit == 0 or 0.1 <= self.uplink_mbit <= 100_000, "worker.uplink_mbit",
-                f"must be 0 (unpaced) or 0.1 to 100000 Mbit/s, got {self.uplink_mbit}")  # fmt: skip
+        check_uplink(self.uplink_mbit, "worker.uplink_mbit")
         require(self.listen.startswith("/"), "worker.listen", "must be a multiaddr")
         announce_ok = re.fullmatch(r"/(ip4|ip6|dns|dns4|dns6)/[^/]+/tcp/[1-9]\d*(/p2p/\w+)?", self.announce)
         require(not self.announce or announce_ok is not None, "worker.announce",

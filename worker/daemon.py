@@ -30,7 +30,7 @@ from envs.chat import ChatFormat
 from envs.episode import EpisodeRules, play_episodes
 from p2p.auth import authenticate, read_secret
 from p2p.broadcast import BroadcastPeer, ChunkStore
-from p2p.config import ConfigError
+from p2p.config import UPLINK_PACE, ConfigError
 from p2p.host import Host, HostConfig, PeerUnavailable, RemoteError, RemoteFailure, Unauthorized
 from p2p.identity import hold_identity, load_identity
 from p2p.messages import (
@@ -55,7 +55,7 @@ from p2p.messages import (
     describe_hardware,
     sampled_count,
 )
-from worker.config import UPLINK_PACE, WorkerConfig
+from worker.config import WorkerConfig
 from worker.engines import generate_lease, make_engine
 from worker.fetcher import VersionFetcher
 
@@ -108,7 +108,7 @@ class WorkerDaemon:
         cfg = self.cfg
         work_dir = Path(cfg.work_dir).expanduser()
         self._identity_lock = hold_identity(cfg.identity)  # one worker process per identity (and store)
-        host_cfg = HostConfig(listen=[cfg.listen], upload_bps=cfg.upload_bps())  # paced if the uplink is given
+        host_cfg = HostConfig(listen=[cfg.listen], upload_bps=cfg.upload_bps(), hole_punch=cfg.hole_punch)
         self.host = Host(load_identity(cfg.identity), host_cfg).start()
         paced = f", sending at most {cfg.uplink_mbit * UPLINK_PACE:g} Mbit/s" if cfg.uplink_mbit else ""
         log.info("worker %s listening on %s%s", self.host.peer_id, self.host.addrs[0], paced)
@@ -236,7 +236,8 @@ class WorkerDaemon:
         return HeartbeatReply.from_wire(self._request(HEARTBEAT, self._heartbeat(), timeout=10)).newest
 
     def _heartbeat(self) -> dict:
-        return Heartbeat(self.version, self.tokens_per_s, self.cfg.price, self.hardware).to_wire()
+        punched = len(self.peer.punched()) if self.peer is not None else 0  # hole-punched peers (status shows it)
+        return Heartbeat(self.version, self.tokens_per_s, self.cfg.price, self.hardware, punched).to_wire()
 
     def _install(self) -> None:
         """Swap in the version the fetcher staged, if any (between leases: a lease is one version)."""

@@ -209,7 +209,7 @@ class LearnerService:
             worker.version = beat.version
             worker.price = beat.price
             worker.tokens_per_s = beat.tokens_per_s
-            worker.hardware = describe_hardware(beat.hardware)
+            worker.hardware, worker.punched = describe_hardware(beat.hardware), beat.punched
         with self._sched_lock:
             self.scheduler.seen(peer, worker.last_seen, worker.price)
         self._declare_rate(peer, worker.tokens_per_s)
@@ -316,6 +316,7 @@ class LearnerService:
                     "peer_id": w.peer_id,
                     "addr": addrs[0] if addrs else None, "listed": bool(self.seeder.listed(w.peer_id)),
                     "observed": self.seeder.host.observed.get(w.peer_id),
+                    "reach": self.seeder.registry.reach(w.peer_id),
                     "role": "worker",
                     **w.row(self.versions.trained, now, active),
                     "activity": reason,

@@ -19,6 +19,7 @@ class WorkerRecord:
     groups_accepted: int = 0
     refused: int = 0
     hardware: str = ""  # what it declared it runs on (p2p.messages.describe_hardware)
+    punched: int = 0  # peers behind NATs it says it reached by hole punching (heartbeats)
 
     def row(self, learner_version: int, now: float, active: bool) -> dict[str, Any]:
         """The fields both the status document (docs/status.md) and each step's metrics show."""
@@ -31,4 +32,5 @@ class WorkerRecord:
             "groups_accepted": self.groups_accepted,
             "refused": self.refused,
             "last_seen_s": round(now - self.last_seen, 1),
+            "punched": self.punched,
         }

@@ -80,6 +80,7 @@ def test_a_worker_behind_nat_on_a_lossy_link_trains_and_its_private_address_is_n
     assert peers[home_id]["listed"] is False  # never handed out: nobody outside can reach it
     assert peers[home_id]["observed"].startswith(f"/ip4/{netlab.ROUTER_WAN_IP}/tcp/")  # what the learner sees
     assert peers[public_id]["addr"].startswith(f"/ip4/{netlab.INET_IP}/tcp/") and peers[public_id]["listed"]
+    assert peers[home_id]["reach"] == "nat" and peers[public_id]["reach"] == "public"  # status: NAT, public
     assert peers[home_id]["groups_accepted"] > 0 and peers[home_id]["flagged"] is None
     home_log = swarm.log("home")
     assert "now on v" in home_log and "Traceback" not in home_log and "Traceback" not in swarm.log("learner")
@@ -89,7 +90,8 @@ def test_a_version_reaches_every_worker_when_two_behind_nat_cannot_dial_each_oth
     """The broadcast benchmark on the WAN test bed: a learner and 4 peers, 40-160 ms from it at 20 Mbit/s,
     the last two behind NAT routers of their own, so the peers' views of the swarm differ (each NATed peer
     reaches only the public ones; nobody reaches a NATed peer). Before claims this could deadlock (chunks that
-    were the learner-share of nobody); every peer now holds the verified version."""
+    were the learner-share of nobody); every peer now holds the verified version. The two NATed peers also
+    reach each other directly, by a hole punch through the learner's relay (p2p.punch), before the clock starts."""
     why = netlab.missing()
     if why is not None:
         pytest.skip(why)
@@ -98,6 +100,7 @@ def test_a_version_reaches_every_worker_when_two_behind_nat_cannot_dial_each_oth
     result = run_broadcast_bench(4, 8.0, 20.0, 20.0, None, "swarm", 0.0, rtt=(40.0, 160.0), nat=2)
     assert result["behind_nat"] == 2 and len(result["per_peer_s"]) == 4  # it raises unless all hold it verified
     assert result["rtt_to_learner_ms"] == [40, 80, 120, 160] and result["learner_uploads_per_chunk"] >= 1
+    assert result["punched"] == [0, 0, 1, 1]
 
 
 def test_a_home_worker_whose_link_is_cut_for_20_s_resumes_without_a_stack_trace(swarm, lab):
