@@ -83,7 +83,7 @@ def render(doc: dict) -> Group:
         active = p.get("active", True)
         if not active:
             notes.append(f"{p['peer_id'][-8:]}: {p.get('activity', '')}")
-        if p.get("reach") == "nat":
+        if p.get("reach", "nat" if p.get("addr") and p.get("listed") is False else None) == "nat":  # (older learners)
             seen = f", seen at {short_addr(p['observed'])}" if p.get("observed") else ""
             direct = f", direct to {p['punched']} behind NATs (hole punched)" if p.get("punched") else ""
             notes.append(f"{p['peer_id'][-8:]}: behind a NAT{seen}; it dials out{direct}")

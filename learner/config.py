@@ -251,7 +251,7 @@ class SwarmConfig:
     read_timeout: float = 30.0
     """Seconds a peer has to deliver a whole request (a slow peer cannot hold the learner's streams open)."""
     uplink_mbit: float = 0.0
-    """The learner's upload speed, Mbit/s: what it sends is paced at 90% of it (broadcasts end sooner; 0: unpaced)."""
+    """The learner's upload speed, Mbit/s: what it sends is paced at that rate (broadcasts end sooner; 0: unpaced)."""
     upload_bps: float = 0.0
     """A hard cap on the learner's upload in bytes/s, e.g. to emulate a home uplink (0 = no cap)."""
     relay: bool = True

@@ -32,7 +32,7 @@ from learner.train.models import model_spec
 from learner.train.wire_weights import send_to_sampler
 from p2p.auth import AUTH, SwarmAuth, read_allow_list, read_secret
 from p2p.broadcast import ChunkStore, Seeder
-from p2p.config import paced_bps
+from p2p.config import LEARNER_PACE, paced_bps
 from p2p.host import Host, HostConfig
 from p2p.identity import load_identity
 from p2p.messages import Engine, ModelSpec
@@ -117,7 +117,8 @@ def start_swarm(
     secret = read_secret(cfg.swarm.secret_file) if cfg.swarm.secret_file else None
     allow = read_allow_list(cfg.swarm.allow) if cfg.swarm.allow else None
     policy, swarm = run.policy, cfg.swarm
-    caps = [cap for cap in (swarm.upload_bps, paced_bps(swarm.uplink_mbit)) if cap]  # the hard cap, the pacing
+    # the hard cap (emulation), and the pacing at the declared uplink
+    caps = [cap for cap in (swarm.upload_bps, paced_bps(swarm.uplink_mbit, LEARNER_PACE)) if cap]
     host_cfg = HostConfig(
         listen=[listen_addr(cfg, run.run_dir)],
         read_timeout=swarm.read_timeout,

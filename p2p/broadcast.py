@@ -252,7 +252,8 @@ class Seeder(ChunkServer):
         # a peer that leaves the registry leaves with its have-maps
         self.registry = PeerRegistry(host.guard.banned_peers, super().forget, silence, clock)
         host.watch_requests(self.registry.heard)
-        host.relay_for = self.registry.has  # with HostConfig(relay=True): hole punches of peers that joined
+        # with HostConfig(relay=True): the hole punches of peers that joined from behind a NAT
+        host.relay_for = lambda peer: self.registry.reached(peer) is False
         host.handle(JOIN, self._on_join)
         # what each claim was given: (version, from the snapshots) -> copies sent of each chunk, and
         # -> peer -> chunk -> when it was last given to that peer
@@ -306,9 +307,10 @@ class Seeder(ChunkServer):
         """The peer list; the peers nobody can dial, with the IP each was seen at (where a hole punch may dial
         it); and what the dial-back found of the joiner (False: it is behind a NAT)."""
         listed, out = self.registry.join(peer, msg.get("addrs")), self.registry.dialling_out(peer)
-        behind = self.registry.behind_nat(peer)  # not those whose dial-back is under way
+        reached = self.registry.reached(peer)
+        behind = self.registry.behind_nat(peer) if reached is False else []  # only a NATed joiner punches
         seen = {p: ip for p in behind if (ip := tcp_ip(self.host.observed.get(p, "")))}
-        return {"peers": listed, "dialling_out": out, "seen": seen, "reached": self.registry.reached(peer)}
+        return {"peers": listed, "dialling_out": out, "seen": seen, "reached": reached}
 
     def _on_chunk(self, peer: str, msg: dict) -> dict:
         return self._on_claim(peer, msg) if "want" in msg else super()._on_chunk(peer, msg)
@@ -419,6 +421,7 @@ class BroadcastPeer(ChunkServer):
         self.chunk_at: dict[int, float] = {}  # chunk index -> when it last came from anyone (benchmarks)
         # peers are dialled in the background: `peers` is replaced, never changed in place, when one is reached
         self._dials = BackgroundPool("dial", DIAL_WORKERS, DIAL_BACKLOG)
+        self._punches = BackgroundPool("punch", 1, 8)  # hole punches, one at a time: they never hold up dials
         self._dialling: set[str] = set()  # peers being dialled or queued for it
         self._retry_at: dict[str, float] = {}  # peer -> when a peer we could not reach may be dialled again
         self._skipped: set[str] = set()  # peers whose entry was skipped and logged (once each)
@@ -456,15 +459,20 @@ class BroadcastPeer(ChunkServer):
         if not self.behind_nat:
             return
         now = time.monotonic()
-        if now - self._reserved_at >= RESERVE_EVERY and self._dials.submit(self._reserve):
-            self._reserved_at = now
-        direct = self.host.direct_peers()
+        if now - self._reserved_at >= RESERVE_EVERY:
+            self._reserved_at = now  # (before the job runs: a refusal sets it back to try again soon)
+            if not self._punches.submit(self._reserve):
+                self._reserved_at = now - RESERVE_EVERY
+        try:
+            direct = self.host.direct_peers()
+        except PeerUnavailable:  # the host stopped
+            return
         for peer in sorted(p for p in self.dialling_out if p in seen and p > self.host.peer_id):
             if not self._should_dial(peer, now) or peer in direct:
                 continue
             with self._peers_changed:
                 self._dialling.add(peer)
-            if not self._dials.submit(partial(self._punch, peer)):
+            if not self._punches.submit(partial(self._punch, peer)):
                 with self._peers_changed:
                     self._dialling.discard(peer)
                 break
@@ -492,7 +500,10 @@ class BroadcastPeer(ChunkServer):
         """The peers behind NATs we hold a direct connection to while behind a NAT ourselves (hole punched)."""
         if not self.behind_nat:
             return []
-        direct = self.host.direct_peers()
+        try:
+            direct = self.host.direct_peers()
+        except PeerUnavailable:  # the host stopped
+            return []
         return [p for p in self.dialling_out if p in direct and p not in self.peers]
 
     def _on_announce(self, peer: str, msg: dict) -> dict:
@@ -604,6 +615,7 @@ class BroadcastPeer(ChunkServer):
     def close(self) -> None:
         """Drop the queued dials and start no more (stop the host first: the running dials then fail at once)."""
         self._dials.close()
+        self._punches.close()
         self._traders.shutdown(wait=False, cancel_futures=True)
 
     def fetch_manifest(self, version: int | None = None, timeout: float = 10.0) -> Manifest:

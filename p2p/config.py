@@ -4,15 +4,17 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-# Share of a declared uplink a host paces everything it sends at (swarm.uplink_mbit, worker.uplink_mbit): on the
-# WAN test bed, 64 MiB to 6 peers at 20 Mbit/s, 2 behind NAT, took 1.21-1.22x T_min with the learner and peers
-# paced at 90%, 1.26-1.31x with peers only, 1.31-1.48x unpaced (docs/benchmarks.md).
+# Shares of a declared uplink a host paces everything it sends at (worker.uplink_mbit, swarm.uplink_mbit). On
+# the WAN test bed (64 MiB to 6 peers at 20 Mbit/s, 2 behind NAT) peers at 90% and the learner at 100% took
+# 1.13-1.16x T_min (NAT 1.17-1.20x), the learner at 90% too 1.20-1.23x (its uplink is the bound: pacing it
+# below its rate lengthens every broadcast), nobody paced 1.28-1.32x (NAT 1.36-1.41x); docs/benchmarks.md.
 UPLINK_PACE = 0.9
+LEARNER_PACE = 1.0
 
 
-def paced_bps(uplink_mbit: float) -> float | None:
+def paced_bps(uplink_mbit: float, share: float = UPLINK_PACE) -> float | None:
     """Bytes/s a host with an uplink of `uplink_mbit` Mbit/s paces its sends at; None for 0 (unpaced)."""
-    return uplink_mbit * UPLINK_PACE * 1e6 / 8 or None
+    return uplink_mbit * share * 1e6 / 8 or None
 
 
 def check_uplink(uplink_mbit: float, key: str) -> None:

@@ -43,7 +43,6 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.protocol_muxer.multiselect import MULTISELECT_PROTOCOL_ID as MULTISELECT
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as RELAY_HOP
-from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
@@ -54,7 +53,7 @@ from libp2p.utils.varint import encode_delim, read_varint_prefixed_bytes_limited
 from p2p.guard import PeerGuard, TokenBucket
 from p2p.identity import peer_id_of
 from p2p.messages import MessageError
-from p2p.punch import CheckedDCUtR, GatedRelay
+from p2p.punch import CheckedDCUtR, GatedRelay, GatedStop, PunchBook
 from p2p.wire import (
     DEFAULT_MAX_FRAME,
     HEADER,
@@ -169,7 +168,8 @@ class Host:
         self._book: dict[str, list[multiaddr.Multiaddr]] = {}
         self._dial_locks: dict[str, trio.Lock] = {}
         self.relay_for: Callable[[str], bool] = lambda peer: False  # with config.relay: the peers it relays for
-        self._punch_ips: dict[str, str] = {}  # peer -> the only IP a hole punch may dial it at (allow_punch)
+        self._punches = PunchBook()  # peer -> the only IP a hole punch may dial it at (allow_punch)
+        self._relays: set[str] = set()  # the relays we reserved a slot at: only they bring us relayed connections
         self._circuits: CircuitV2Transport | None = None  # with config.hole_punch
         self._dcutr: CheckedDCUtR | None = None
 
@@ -228,10 +228,10 @@ class Host:
                 relay = GatedRelay(host, lambda peer: self.relay_for(peer))
                 await services.enter_async_context(background_trio_service(relay))
             if self.config.hole_punch:
-                stop = CircuitV2Protocol(host, allow_hop=False)  # accepts the connections relayed to us
+                stop = GatedStop(host, self._relays)  # accepts the connections our relay brings us
                 await services.enter_async_context(background_trio_service(stop))
                 self._circuits = CircuitV2Transport(host, stop, RelayConfig(roles=RelayRole.STOP | RelayRole.CLIENT))
-                self._dcutr = CheckedDCUtR(host, self._punch_ips)
+                self._dcutr = CheckedDCUtR(host, self._punches.ips)
                 await services.enter_async_context(background_trio_service(self._dcutr))
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -376,6 +376,7 @@ class Host:
 
         if self._circuits is None:
             raise RuntimeError("this host was started without hole_punch")
+        self._relays.add(relay)
         try:
             reserved = self._run(call)
         except PeerUnavailable:
@@ -387,10 +388,7 @@ class Host:
 
     def allow_punch(self, peer: str, ip: str) -> None:
         """A hole punch with `peer` (ours or its) may dial it at `ip` only: where the learner saw it."""
-        self._punch_ips.pop(peer, None)
-        self._punch_ips[peer] = ip
-        if len(self._punch_ips) > MAX_OBSERVED:
-            self._punch_ips.pop(next(iter(self._punch_ips)))
+        self._punches.allow(peer, ip)
 
     def punch(self, peer: str, relay_addr: str, timeout: float = 30.0) -> bool:
         """Try for a direct connection to `peer` (behind a NAT, holding a slot at the relay `relay_addr`, a
@@ -403,9 +401,17 @@ class Host:
         async def call() -> bool:
             with trio.move_on_after(timeout):
                 if not self._direct(peer_id):
-                    await self._circuits.dial(multiaddr.Multiaddr(f"{relay_addr}/p2p-circuit/p2p/{peer}"))
+                    if not self._relayed(peer_id):
+                        await self._circuits.dial(multiaddr.Multiaddr(f"{relay_addr}/p2p-circuit/p2p/{peer}"))
+                    # DCUtR opens its stream over the circuit: never a dial to an address the peer announced
+                    self._host.get_peerstore().clear_addrs(peer_id)
                     await self._dcutr.initiate_hole_punch(peer_id)
-            return self._direct(peer_id)
+            if self._direct(peer_id):
+                return True
+            with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_TIMEOUT):
+                for conn in self._relayed(peer_id):  # a failed punch keeps no circuit (nor the relay's slot)
+                    await conn.close()
+            return False
 
         try:
             return bool(self._run(call))
@@ -423,6 +429,16 @@ class Host:
         """The peers we hold a live connection to that is not relayed (one call for all of them)."""
         network = self._host.get_network()
         return self._run_sync(lambda: {p.to_base58() for p in list(network.connections) if self._direct(p)})
+
+    def _relayed(self, peer_id: ID) -> list[Any]:
+        """Our live relayed connections to `peer_id`."""
+        relayed = []
+        for conn in self._host.get_network().get_connections(peer_id):
+            if conn is not None and not getattr(conn, "is_closed", False):
+                with contextlib.suppress(Exception):
+                    if any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses()):
+                        relayed.append(conn)
+        return relayed
 
     def _direct(self, peer_id: ID) -> bool:
         for conn in self._host.get_network().get_connections(peer_id):
@@ -615,7 +631,10 @@ class Host:
     def _run_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self._token is None:
             raise PeerUnavailable("host is not running")
-        return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+        try:
+            return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise PeerUnavailable("host has stopped") from None
 
     # -- frames with bandwidth caps -------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 
+import multiaddr
 import numpy as np
 import pytest
 import trio
@@ -234,6 +235,46 @@ def test_a_hole_punch_is_relayed_only_for_allowed_peers_and_dials_only_where_the
     b.allow_punch(a.peer_id, "127.0.0.1")
     assert a.punch(b.peer_id, relay.addrs[0], timeout=30) and a.direct(b.peer_id) and b.direct(a.peer_id)
     assert a.request(b.peer_id, "/echo/test/1", {}) == {"from": a.peer_id}
+
+
+def test_the_relay_carries_handshakes_not_data_and_only_within_its_quotas(hosts):
+    """The learner's relay (p2p.punch.GatedRelay) as a hostile joined peer would use it: a circuit to itself
+    is refused, a circuit is cut after RELAY_LIMITS.data bytes (a chunk cannot cross the relay), a peer may
+    hold CIRCUITS_OPEN circuits at once and no more, and a worker accepts relayed connections only from the
+    relay it reserved a slot at (a STOP stream from anyone else is reset unread)."""
+    from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID
+
+    import p2p.punch
+
+    relay = hosts(HostConfig(relay=True))
+    a, b = hosts(HostConfig(hole_punch=True)), hosts(HostConfig(hole_punch=True))
+    relay.relay_for = {a.peer_id, b.peer_id}.__contains__
+    for h in (a, b):
+        h.connect(relay.addrs[0])
+        h.reserve(relay.peer_id)
+    circuit = lambda src, dst: src._run(  # noqa: E731
+        lambda: src._circuits.dial(multiaddr.Multiaddr(f"{relay.addrs[0]}/p2p-circuit/p2p/{dst.peer_id}"))
+    )
+    with pytest.raises(Exception):  # noqa: B017 - py-libp2p raises its own error types for a refused circuit
+        circuit(a, a)
+    b.handle("/echo/big/1", lambda peer, msg: {"n": len(msg["data"])}, limits=FrameLimits())
+    circuit(a, b)  # only a relayed connection: the request below must go through the relay
+    with pytest.raises(PeerUnavailable):
+        a.request(b.peer_id, "/echo/big/1", {"data": os.urandom(p2p.punch.RELAY_LIMITS.data + 1)}, timeout=20)
+    for _ in range(p2p.punch.CIRCUITS_OPEN):  # (the one cut above is closed)
+        circuit(a, b)
+    with pytest.raises(Exception):  # noqa: B017
+        circuit(a, b)  # one too many open at once
+
+    async def stop_stream_from_a_stranger() -> bytes:
+        stream = await a._host.new_stream(ID.from_base58(b.peer_id), [STOP_PROTOCOL_ID])
+        try:
+            await stream.write(b"\x02\x08\x01")
+            return await stream.read(100)
+        except Exception:  # noqa: BLE001 - reset: what we expect
+            return b""
+
+    assert a._run(stop_stream_from_a_stranger) == b""  # b takes circuits from its relay only
 
 
 def test_hosts_dial_only_whom_they_choose(hosts):
