@@ -399,19 +399,20 @@ class Host:
         peer_id = ID.from_base58(peer)
 
         async def call() -> bool:
-            with trio.move_on_after(timeout):
-                if not self._direct(peer_id):
-                    if not self._relayed(peer_id):
-                        await self._circuits.dial(multiaddr.Multiaddr(f"{relay_addr}/p2p-circuit/p2p/{peer}"))
-                    # DCUtR opens its stream over the circuit: never a dial to an address the peer announced
-                    self._host.get_peerstore().clear_addrs(peer_id)
-                    await self._dcutr.initiate_hole_punch(peer_id)
-            if self._direct(peer_id):
-                return True
-            with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_TIMEOUT):
-                for conn in self._relayed(peer_id):  # a failed punch keeps no circuit (nor the relay's slot)
-                    await conn.close()
-            return False
+            try:
+                with trio.move_on_after(timeout):
+                    if not self._direct(peer_id):
+                        self._host.get_peerstore().clear_addrs(peer_id)  # the circuit goes through our relay only
+                        if not self._relayed(peer_id):
+                            await self._circuits.dial(multiaddr.Multiaddr(f"{relay_addr}/p2p-circuit/p2p/{peer}"))
+                        await self._dcutr.initiate_hole_punch(peer_id)
+                return self._direct(peer_id)
+            finally:
+                if not self._direct(peer_id):  # a failed punch keeps no circuit (nor a slot at the relay)
+                    with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_TIMEOUT):
+                        for conn in self._relayed(peer_id):
+                            with contextlib.suppress(Exception):
+                                await conn.close()
 
         try:
             return bool(self._run(call))
@@ -720,3 +721,13 @@ async def _stop_auto_dials(host: Any) -> None:
     if not connector._started:
         raise RuntimeError("py-libp2p's auto-connector did not start: is libp2p still 0.8.1 (pyproject.toml)?")
     await connector.stop()
+    network = host.get_network()
+
+    async def no_dial(peer_id: ID) -> list[Any]:
+        # the swarm's own dials (a stream to a peer we are not connected to: DCUtR, a circuit transport) go
+        # to the addresses in the peerstore, which identify fills with what a peer announces of itself
+        if live := [c for c in network.get_connections(peer_id) if c is not None and not getattr(c, "is_closed", 0)]:
+            return live
+        raise ConnectionError(f"not connected to {peer_id.to_base58()[-8:]}; this host dials only addresses it chose")
+
+    network.dial_peer = no_dial

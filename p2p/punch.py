@@ -10,16 +10,18 @@ works.
 
 Long because py-libp2p 0.8.1's relay and DCUtR are written for a friendly network, and an open swarm is
 not one. What we change, each in an override below:
-- the relay serves reservations and circuits only between peers the learner allows, a reservation is
-  always for the peer that asked (py-libp2p takes the peer named in the message), a circuit never joins a
-  peer to itself, each peer has few circuits open and few per minute, and a circuit ends after
-  RELAY_LIMITS.duration seconds or data bytes, idle or not (py-libp2p checks its duration only between
-  reads and counts circuits per destination, after awaits);
+- the relay serves reservations and circuits only between peers the learner allows (re-checked at each
+  request), a reservation is always for the peer that asked (py-libp2p takes the peer named in the
+  message), a circuit runs only from the peer that starts a punch (its id sorts first) to the other, each
+  peer has few circuits open and few per minute at either end, all of them share RELAY_BYTES_PER_S, and a
+  circuit ends after RELAY_LIMITS.duration seconds or data bytes, idle or not (py-libp2p checks its
+  duration only between reads and counts circuits per destination, after awaits);
 - the learner accepts no relayed connection, a worker only those its own relay brings;
 - DCUtR dials a peer only at the IP the learner observed it at (DCUtR takes the addresses a peer reports
   of itself, so a hostile peer could otherwise have us dial any host), sprays no UDP at reported QUIC
-  addresses, answers only peers we may punch with, and runs only when Host.punch asks (its own loop would
-  punch every relayed connection every 2 s).
+  addresses, answers only peers we may punch with, one session each at a time, and runs only when
+  Host.punch asks (its own loop would punch every relayed connection every 2 s). (p2p.host also stops the
+  swarm from dialling a peer it is not connected to at the addresses identify stored.)
 """
 
 from __future__ import annotations
@@ -41,14 +43,19 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from multiaddr import Multiaddr
 
+from p2p.guard import TokenBucket
+
 log = logging.getLogger(__name__)
 
 # The relay carries a hole punch's handshakes (Noise, yamux, identify, DCUtR: tens of KB), not data: a
 # circuit ends after a minute or 256 KiB; reservations last 10 minutes (workers renew them), 256 at most.
 RELAY_LIMITS = RelayLimits(duration=60, data=256 << 10, max_circuit_conns=4, max_reservations=256,
                            reservation_ttl=600)  # fmt: skip
-CIRCUITS_OPEN = 4  # circuits one peer may have open through the relay at once
-CIRCUITS_PER_MINUTE = 12  # and may open in a minute
+CIRCUITS_OPEN = 4  # circuits one peer may have open through the relay at once, from it or to it
+CIRCUITS_PER_MINUTE = 12  # and may open, or be the destination of, in a minute
+CIRCUITS_TOTAL = 64  # circuits open through the relay at once
+RELAY_BYTES_PER_S = 64 << 10  # the relay's whole share of the learner's uplink and downlink (~0.5 Mbit/s)
+MAX_OBSERVED_ADDRS = 8  # addresses of a DCUtR message we look at (4 KiB could hold hundreds)
 SETUP_TIMEOUT = 10.0  # seconds the relay gives the destination to accept a circuit
 PUNCH_DIAL_TIMEOUT = 2  # seconds per dial of a punch (py-libp2p's 10 s default waits out private addresses)
 
@@ -60,8 +67,9 @@ class GatedRelay(CircuitV2Protocol):
     def __init__(self, host: Any, allowed: Callable[[str], bool]) -> None:
         super().__init__(host, limits=RELAY_LIMITS, allow_hop=True)
         self.allowed = allowed
-        self._open: dict[str, int] = {}  # peer -> circuits it opened that are open now
-        self._opened: dict[str, list[float]] = {}  # peer -> when it opened its circuits of the last minute
+        self._open: dict[str, int] = {}  # peer -> circuits open now that it opened or is the destination of
+        self._opened: dict[str, list[float]] = {}  # peer -> when those of the last minute were opened
+        self._bucket: TokenBucket | None = None  # RELAY_BYTES_PER_S (made in the trio thread, at first use)
 
     def _allows(self, peer: str) -> bool:
         try:
@@ -80,7 +88,14 @@ class GatedRelay(CircuitV2Protocol):
         await _reset(stream)  # the relay is nobody's destination
 
     async def _handle_reserve(self, stream: Any, msg: Any) -> None:
+        if not self._allows(stream.muxed_conn.peer_id.to_base58()):  # (a hop stream outlives a ban)
+            await self._refuse(stream, StatusCode.PERMISSION_DENIED)
+            return
         msg.ClearField("peer")  # a reservation is for the peer that asks, never for one it names
+        reservations = self.resource_manager._reservations  # (py-libp2p keeps them until they expire)
+        if len(reservations) >= RELAY_LIMITS.max_reservations:  # full: drop those of peers that left
+            for peer in [p for p in list(reservations) if not self._allows(p.to_base58())]:
+                reservations.pop(peer, None)
         await super()._handle_reserve(stream, msg)
 
     async def _handle_connect(self, stream: Any, msg: Any) -> None:
@@ -97,17 +112,28 @@ class GatedRelay(CircuitV2Protocol):
         dst_id = dest.to_base58()
         connected = bool(self.host.get_network().get_connections(dest))  # we dial nobody for a circuit
         reserved = self.resource_manager.has_reservation(dest)
-        if dst_id == src or not connected or not reserved or not self._allows(dst_id):
+        # the one of two NATed peers whose id sorts first starts their punch (p2p.broadcast): only its circuits
+        if not src < dst_id or not connected or not reserved or not self._allows(src) or not self._allows(dst_id):
             await self._refuse(stream, StatusCode.NO_RESERVATION)
             return
+        if len(self._opened) > 1024:
+            self._forget_idle()
         now = trio.current_time()
-        recent = [t for t in self._opened.get(src, []) if now - t < 60.0]
-        if self._open.get(src, 0) >= CIRCUITS_OPEN or len(recent) >= CIRCUITS_PER_MINUTE:
-            self._opened[src] = recent
+        for peer in (src, dst_id):
+            self._opened[peer] = [t for t in self._opened.get(peer, []) if now - t < 60.0]
+        if (
+            sum(self._open.values()) >= 2 * CIRCUITS_TOTAL  # (each circuit counts for both its peers)
+            or any(self._open.get(p, 0) >= CIRCUITS_OPEN for p in (src, dst_id))
+            or any(len(self._opened[p]) >= CIRCUITS_PER_MINUTE for p in (src, dst_id))
+        ):
+            self._forget_idle()
             await self._refuse(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED)
             return
-        self._opened[src] = [*recent, now]
-        self._open[src] = self._open.get(src, 0) + 1
+        for peer in (src, dst_id):
+            self._opened[peer].append(now)
+            self._open[peer] = self._open.get(peer, 0) + 1
+        if self._bucket is None:
+            self._bucket = TokenBucket(RELAY_BYTES_PER_S)
         limit = Limit(duration=RELAY_LIMITS.duration, data=RELAY_LIMITS.data)
         dst_stream = None
         try:
@@ -123,18 +149,25 @@ class GatedRelay(CircuitV2Protocol):
                 await self._send_status(stream, StatusCode.OK, "circuit open", limit=limit)
                 budget = [RELAY_LIMITS.data]  # bytes left, both ways together
                 async with trio.open_nursery() as pipes:
-                    pipes.start_soon(_pipe, stream, dst_stream, budget, pipes.cancel_scope)
-                    pipes.start_soon(_pipe, dst_stream, stream, budget, pipes.cancel_scope)
+                    pipes.start_soon(_pipe, stream, dst_stream, budget, self._bucket, pipes.cancel_scope)
+                    pipes.start_soon(_pipe, dst_stream, stream, budget, self._bucket, pipes.cancel_scope)
         except Exception as exc:  # noqa: BLE001 - the destination refused, reset or timed out
             log.debug("circuit %s -> %s ended: %s: %s", src[-8:], dst_id[-8:], type(exc).__name__, exc)
         finally:
-            self._open[src] -= 1
-            if not self._open[src]:
-                del self._open[src]
+            for peer in (src, dst_id):
+                self._open[peer] -= 1
+                if not self._open[peer]:
+                    del self._open[peer]
             with trio.CancelScope(shield=True):
                 await _reset(stream)
                 if dst_stream is not None:
                     await _reset(dst_stream)
+
+    def _forget_idle(self) -> None:
+        """Drop the minute's records of peers with no circuit in it (the table stays as small as the traffic)."""
+        now = trio.current_time()
+        for peer in [p for p, times in self._opened.items() if not [t for t in times if now - t < 60.0]]:
+            del self._opened[peer]
 
     async def _refuse(self, stream: Any, code: StatusCode) -> None:
         await self._send_status(stream, code, "refused")
@@ -174,10 +207,22 @@ class CheckedDCUtR(DCUtRProtocol):
         return  # we punch TCP; a reported QUIC address may be anybody's
 
     async def _handle_dcutr_stream(self, stream: Any) -> None:
-        if stream.muxed_conn.peer_id.to_base58() not in self.ips:
+        peer = stream.muxed_conn.peer_id
+        if peer.to_base58() not in self.ips or peer in self._in_progress:  # one session per peer at a time
             await _reset(stream)
             return
         await super()._handle_dcutr_stream(stream)
+
+    async def _perform_hole_punch(self, peer_id: Any, addrs: list[Multiaddr], as_responder: bool = False) -> bool:
+        expected = self.ips.get(peer_id.to_base58())
+        addrs = [a for a in addrs if tcp_ip(a) == expected]
+        if not addrs:  # nothing at the IP the learner saw: no rounds of dials to wait out
+            return False
+        self.host.get_peerstore().clear_addrs(peer_id)  # (py-libp2p adds the addresses the peer announced)
+        return await super()._perform_hole_punch(peer_id, addrs, as_responder)
+
+    def _decode_observed_addrs(self, addr_bytes: list[bytes]) -> list[Multiaddr]:
+        return super()._decode_observed_addrs(addr_bytes[:MAX_OBSERVED_ADDRS])
 
     async def _dial_peer(self, peer_id: Any, addr: Multiaddr, *args: Any, **kwargs: Any) -> None:
         expected, ip = self.ips.get(peer_id.to_base58()), tcp_ip(addr)
@@ -205,8 +250,8 @@ class PunchBook:
                 self.ips.pop(next(iter(self.ips)))
 
 
-async def _pipe(src: Any, dst: Any, budget: list[int], done: trio.CancelScope) -> None:
-    """Copy src to dst while the circuit's byte budget lasts; then end both directions."""
+async def _pipe(src: Any, dst: Any, budget: list[int], bucket: TokenBucket, done: trio.CancelScope) -> None:
+    """Copy src to dst while the circuit's byte budget lasts, at the relay's rate; then end both directions."""
     try:
         while True:
             data = await src.read(65536)
@@ -215,6 +260,7 @@ async def _pipe(src: Any, dst: Any, budget: list[int], done: trio.CancelScope) -
             budget[0] -= len(data)
             if budget[0] < 0:
                 return
+            await bucket.take(len(data))
             with trio.fail_after(10.0):
                 await dst.write(data)
     except Exception:  # noqa: BLE001 - a reset or a stalled side ends the circuit

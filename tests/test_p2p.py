@@ -218,7 +218,8 @@ def test_a_hole_punch_is_relayed_only_for_allowed_peers_and_dials_only_where_the
     was allowed at, and none when that IP is elsewhere (DCUtR dials the addresses a peer reports of itself:
     ours dials only those at the IP the learner observed)."""
     relay = hosts(HostConfig(relay=True))
-    a, b, c = (hosts(HostConfig(hole_punch=True)) for _ in range(3))
+    # a's id sorts before b's: a starts their punch (the relay carries circuits in that direction only)
+    a, b, c = sorted((hosts(HostConfig(hole_punch=True)) for _ in range(3)), key=lambda h: h.peer_id)
     for h in (a, b, c):
         h.connect(relay.addrs[0])
     with pytest.raises(PeerUnavailable, match="relay"):
@@ -238,16 +239,17 @@ def test_a_hole_punch_is_relayed_only_for_allowed_peers_and_dials_only_where_the
 
 
 def test_the_relay_carries_handshakes_not_data_and_only_within_its_quotas(hosts):
-    """The learner's relay (p2p.punch.GatedRelay) as a hostile joined peer would use it: a circuit to itself
-    is refused, a circuit is cut after RELAY_LIMITS.data bytes (a chunk cannot cross the relay), a peer may
-    hold CIRCUITS_OPEN circuits at once and no more, and a worker accepts relayed connections only from the
-    relay it reserved a slot at (a STOP stream from anyone else is reset unread)."""
+    """The learner's relay (p2p.punch.GatedRelay) as a hostile joined peer would use it: a circuit to
+    itself, or from the peer that does not start the punch, is refused; a circuit is cut after
+    RELAY_LIMITS.data bytes (a chunk cannot cross the relay); a peer may hold CIRCUITS_OPEN circuits at once
+    and no more; and a worker accepts relayed connections only from the relay it reserved a slot at (a STOP
+    stream from anyone else is reset unread)."""
     from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID
 
     import p2p.punch
 
     relay = hosts(HostConfig(relay=True))
-    a, b = hosts(HostConfig(hole_punch=True)), hosts(HostConfig(hole_punch=True))
+    a, b = sorted((hosts(HostConfig(hole_punch=True)) for _ in range(2)), key=lambda h: h.peer_id)
     relay.relay_for = {a.peer_id, b.peer_id}.__contains__
     for h in (a, b):
         h.connect(relay.addrs[0])
@@ -255,8 +257,9 @@ def test_the_relay_carries_handshakes_not_data_and_only_within_its_quotas(hosts)
     circuit = lambda src, dst: src._run(  # noqa: E731
         lambda: src._circuits.dial(multiaddr.Multiaddr(f"{relay.addrs[0]}/p2p-circuit/p2p/{dst.peer_id}"))
     )
-    with pytest.raises(Exception):  # noqa: B017 - py-libp2p raises its own error types for a refused circuit
-        circuit(a, a)
+    for refused in ((a, a), (b, a)):  # to itself; from the peer whose id sorts last
+        with pytest.raises(Exception):  # noqa: B017 - py-libp2p raises its own error types for a refused circuit
+            circuit(*refused)
     b.handle("/echo/big/1", lambda peer, msg: {"n": len(msg["data"])}, limits=FrameLimits())
     circuit(a, b)  # only a relayed connection: the request below must go through the relay
     with pytest.raises(PeerUnavailable):
