@@ -280,10 +280,6 @@ class PeerRegistry:
         with self._lock:
             return [p for p, entry in self._registry.items() if p != joiner and not entry.verified]
 
-    def has(self, peer: str) -> bool:
-        """Whether `peer` is in the registry (joined, not gone): the learner relays hole punches for these."""
-        return peer in self._registry
-
     def reached(self, peer: str) -> bool | None:
         """The dial-back's verdict on `peer`: True (an address reached it), False (every one it announced
         failed: behind a NAT), None (not checked yet, or not joined)."""
