@@ -38,6 +38,7 @@ from libp2p.crypto.ed25519 import Ed25519PrivateKey
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.network.stream.exceptions import StreamError
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.protocol_muxer.multiselect import MULTISELECT_PROTOCOL_ID as MULTISELECT
@@ -77,6 +78,9 @@ Handler = Callable[[str, dict[str, Any]], dict[str, Any]]
 # a request without authorization weighs a tenth of a penalty: a worker of a learner that restarted sends a
 # few (heartbeat, have-maps, claims) before it authenticates again, and must not be banned for them
 UNAUTHORIZED_WEIGHT = 0.1
+# a request its sender reset or ended before it was whole weighs a tenth too: an honest peer's own timeout does
+# that on a bad link (a learner's announcements through a link cut for 20 s got its worker to ban the learner)
+ABANDONED_WEIGHT = 0.1
 MAX_OBSERVED = 4096  # peers whose observed address a host remembers
 MAX_BOOK = 4096  # peers whose dial addresses a host remembers
 MAX_ADDRS = 4  # addresses remembered per peer
@@ -555,6 +559,11 @@ class Host:
                         body = await self._read_exactly(stream, length)
                     # decoding costs CPU in proportion to the (bounded) size: not on the network loop
                     message = await trio.to_thread.run_sync(decode_body, body, flags, limits, limiter=self._decoders)
+                except (StreamError, StreamEnded) as exc:  # the sender gave up on it (its timeout, a cut link)
+                    self.guard.penalise(peer, "abandoned request", ABANDONED_WEIGHT)
+                    log.debug("%s from %s abandoned: %s: %s", protocol, peer[-8:], type(exc).__name__, exc)
+                    await _reset_quietly(stream)
+                    return
                 except Exception as exc:  # noqa: BLE001 - every request that cannot be read is the sender's offence
                     self.guard.penalise(peer, "slow request" if isinstance(exc, trio.TooSlowError) else "bad frame")
                     log.warning("%s from %s: %s: %s; stream reset", protocol, peer[-8:], type(exc).__name__, exc)
@@ -668,10 +677,14 @@ class Host:
                 await self._down.take(want)
             data = await stream.read(want)
             if not data:
-                raise FrameError(f"stream ended after {got} of {n} bytes")
+                raise StreamEnded(f"stream ended after {got} of {n} bytes")
             parts.append(data)
             got += len(data)
         return b"".join(parts)
+
+
+class StreamEnded(FrameError):
+    """A stream that ended before the bytes a frame promised had come."""
 
 
 def _concrete(addrs: list[Any]) -> list[str]:

@@ -186,6 +186,30 @@ def test_a_request_that_times_out_leaves_no_stream_open(hosts):
     assert client.request(server.peer_id, "/slow/1", {}, timeout=5) == {}  # the connection still serves
 
 
+def test_requests_their_sender_abandoned_weigh_a_tenth_of_a_penalty(hosts):
+    """A request its sender resets before the whole frame came (its own timeout on a cut link: a learner's
+    announcements during a 20 s cut got its worker to ban it for 120 s) is an abandoned request, a tenth of a
+    penalty: six do not ban a peer, and it is served again at once. A malformed frame still weighs a whole one."""
+    from libp2p.custom_types import TProtocol
+
+    a, b = hosts(), hosts()
+    a.handle("/echo/test/1", lambda peer, msg: {"ok": True})
+    b.connect(a.addrs[0])
+
+    async def abandon() -> None:
+        stream = await b._host.new_stream(ID.from_base58(a.peer_id), [TProtocol("/echo/test/1")])
+        await stream.write(encode_frame({"x": b"y" * 1000})[:100])  # the header promises more than comes
+        await stream.reset()
+
+    for _ in range(6):
+        b._run(abandon)
+    deadline = time.monotonic() + 10
+    while a.guard.counts.get("abandoned request", 0) < 6 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert a.guard.counts == {"abandoned request": 6} and not a.guard.banned(b.peer_id)
+    assert b.request(a.peer_id, "/echo/test/1", {}, timeout=5) == {"ok": True}
+
+
 def test_a_chunk_from_a_slow_uplink_arrives_though_it_takes_longer_than_the_timeout(hosts):
     """Two 256 KiB chunks at once from a 1 Mbit/s uplink take ~4 s; the request timeout (1 s here, 60 s in a
     swarm with 4 MiB chunks) bounds the wait for the reply to start, then the body may take its size at
