@@ -16,9 +16,9 @@ Every inbound request is bounded before a handler sees it: its protocol's FrameL
 its size before it is read and its decoded size and containers while it is decoded, which happens in a
 worker thread, off the network loop. It must arrive within `read_timeout`, and a peer may hold only
 `max_streams_per_peer` requests open at once. Misbehaviour (any request that cannot be read or decoded,
-one too slow to arrive, a `Misbehaviour` or `MessageError` refusal, a request without authorization) is
-a penalty; a peer with `ban_after` penalties within `ban_window` seconds is banned for `ban_seconds`:
-its streams are reset unread.
+one too slow to arrive, a `Misbehaviour` or `MessageError` refusal) is a penalty, a request without
+authorization or one its sender abandoned mid-frame a tenth of one; a peer with `ban_after` penalties
+within `ban_window` seconds is banned for `ban_seconds`: its streams are reset unread.
 """
 
 from __future__ import annotations

@@ -207,8 +207,8 @@ class Adversary:
             ("unknown frame flags", "'bad frame' penalty", lambda: self._raw(struct.pack(">IB", 4, 0x80) + b"abcd")),
             (
                 "truncated frame, then our side closed",
-                "'bad frame' penalty",
-                lambda: self._raw(struct.pack(">IB", 100, 0) + b"x" * 10, close=True),
+                "'abandoned request' penalty (a tenth: an honest sender's timeout does it too)",
+                lambda: self._raw(struct.pack(">IB", 100, 0) + b"x" * 10, close=True, reason="abandoned request"),
             ),
             (
                 "40 request streams held open",
@@ -358,12 +358,12 @@ class Adversary:
         added = sum(self.status()["penalties"].values()) - before
         return f"{answer[:120]!r}, {added} penalties", expected in answer and (added > 0) == penalised, {}
 
-    def _raw(self, data: bytes, close: bool = False) -> tuple[str, bool, dict]:
+    def _raw(self, data: bytes, close: bool = False, reason: str = "bad frame") -> tuple[str, bool, dict]:
         host = self.fresh()
-        before = self.status()["penalties"].get("bad frame", 0)
+        before = self.status()["penalties"].get(reason, 0)
         answer = send_raw(host, self.learner, ROLLOUT, data, close=close)
-        added = self.status()["penalties"].get("bad frame", 0) - before
-        return f"stream {answer}, {added} 'bad frame' penalty", answer == "reset" and added >= 1, {}
+        added = self.status()["penalties"].get(reason, 0) - before
+        return f"stream {answer}, {added} {reason!r} penalty", answer == "reset" and added >= 1, {}
 
     def _decode_bomb(self) -> tuple[str, bool, dict]:
         bomb = frame(zstandard.ZstdCompressor(level=19).compress(msgpack.packb({"x": [[]] * 60_000})), 1)
