@@ -133,10 +133,13 @@ def test_a_home_worker_whose_link_is_cut_for_20_s_resumes_without_a_stack_trace(
     before = accepted()
     wait_for(lambda: accepted() >= before + 2, WAIT, "the home worker's rollouts after the cut", procs)
     home_log, learner_log = swarm.log("home"), swarm.log("learner")
-    assert "timed out" in home_log  # the cut was felt: its requests during it timed out
+    # the cut was felt: its requests during it timed out, or the learner's announcements to it were abandoned
+    # (reset by the learner's own timeout: a tenth of a penalty each, never a ban; which depends on the phase)
+    assert "timed out" in home_log or "abandoned" in home_log
     assert "Traceback" not in home_log and "Traceback" not in learner_log
     assert home_worker.poll() is None and learner.poll() is None
     print("\n".join(line[:160] for line in home_log.splitlines() if "timed out" in line or "not delivered" in line
+                     or "abandoned" in line
                      or "unreachable" in line or "now on v" in line)[-3000:])  # fmt: skip
 
 
