@@ -96,7 +96,10 @@ class TrainingClient(_Optimizer):
     def score(self, problems: Sequence[Problem], groups: Sequence[Sequence[Sample]]) -> list[Rollout]:
         """The rollouts to train on: each sample's reward by the task, advantages normalised per group."""
         prompts = [group[0].prompt_ids for group in groups]
-        scored = score_groups(self.task, self.policy, list(problems), prompts, [list(g) for g in groups], self.step)
+        scored = score_groups(
+            self.task, self.policy, list(problems), prompts, [list(g) for g in groups], self.step,
+            self.cfg.grpo.advantage_std,
+        )  # fmt: skip
         return [r for group in scored for r in group]
 
 

@@ -71,7 +71,7 @@ def train_colocated(
                     else:
                         groups = engine.generate(requests, params)
                 with phases("score"):
-                    scored += score_groups(task, policy, problems, prompts, groups, version=step - 1)
+                    scored += score_groups(task, policy, problems, prompts, groups, step - 1, cfg.grpo.advantage_std)
                 if sum(map(has_signal, scored)) >= cfg.grpo.prompts_per_step:
                     break
             batch = scored

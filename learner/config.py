@@ -126,17 +126,25 @@ class GRPOConfig:
     eps_high: float = 0.28
     """Upper clip of the ratio."""
     ratio_cap: float = 3.0
-    """behaviour: the dual clip (no gradient for a token with A < 0 and a ratio above it); decoupled: iw cap."""
-    objective: Literal["behaviour", "decoupled"] = "behaviour"
-    """behaviour: dual-clip PPO against the sampler's policy; decoupled: clip to the learner's own, re-weight stale."""
+    """behaviour: the dual clip (no gradient for a token with A < 0 and a ratio above it); tis, mis: the cap."""
+    objective: Literal["behaviour", "decoupled", "gspo", "cispo"] = "behaviour"
+    """behaviour: dual-clip PPO on pi/mu; decoupled, gspo, cispo: ratio to the learner's own policy (§4)."""
+    correction: Literal["tis", "mis", "icepop", "seq_mask", "none"] = "tis"
+    """decoupled/gspo/cispo: each token's weight from rho = pi_prox/mu (behaviour's pi/mu has its own)."""
+    mismatch_low: float = 0.5
+    """icepop: tokens with rho below this are dropped; seq_mask: the same for a sequence's geometric mean."""
+    mismatch_high: float = 2.0
+    """icepop: tokens with rho above this are dropped; seq_mask: the same for a sequence's geometric mean."""
     minibatches: int = 1
     """Optimizer updates per step, each on its share of the batch (decoupled needs >= 2 for its clip to bind)."""
     beta: float = 0.0
     """Weight of the KL penalty to the initial policy (0 = no reference model kept)."""
     max_grad_norm: float = 1.0
     """Gradients are clipped to this global norm."""
-    loss_norm: Literal["token", "sequence"] = "token"
-    """token: every completion token weighs the same; sequence: every completion weighs the same."""
+    loss_norm: Literal["token", "sequence", "constant"] = "token"
+    """token: each token weighs the same (DAPO); sequence: each completion; constant: 1/(n L), Dr. GRPO."""
+    advantage_std: bool = True
+    """Divide advantages by their group's reward std (GRPO); false: A = r - mean(r) (Dr. GRPO)."""
     skip_equal_groups: bool = True
     """Skip groups whose rewards are all equal (they carry no signal) instead of computing their zero gradient."""
     micro_batch_tokens: int = 4096
@@ -164,6 +172,17 @@ class GRPOConfig:
             "grpo.minibatches",
             "must be >= 2 with objective = decoupled: its clip to the learner's own policy binds only from the "
             "second update of a step (e.g. --minibatches 4)",
+        )
+        require(
+            self.objective != "behaviour" or self.correction == "tis",
+            "grpo.correction",
+            f"{self.correction} needs an objective whose ratio is to the learner's own policy (--objective "
+            "decoupled, gspo or cispo): behaviour's ratio pi/mu carries the sampler's mismatch itself",
+        )
+        require(
+            0 < self.mismatch_low < 1 < self.mismatch_high,
+            "grpo.mismatch_low",
+            f"need 0 < mismatch_low < 1 < mismatch_high, got {self.mismatch_low} and {self.mismatch_high}",
         )
         require(self.beta >= 0, "grpo.beta", f"must be >= 0, got {self.beta}")
         require(self.max_grad_norm > 0, "grpo.max_grad_norm", "must be > 0")

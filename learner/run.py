@@ -139,8 +139,9 @@ def open_run(cfg: LearnerConfig, resume: bool, world: World | None = None, task:
         enable_grad_checkpointing(policy.model)
     shard(policy.model, world, cfg.model.precision)
     trainer = GRPOTrainer(
-        policy.model, cfg.grpo, cfg.sampler.temperature, world, cfg.sampler.top_p, reference, cfg.model.precision
-    )
+        policy.model, cfg.grpo, cfg.sampler.temperature, world, cfg.sampler.top_p, reference, cfg.model.precision,
+        max_completion_tokens(cfg),
+    )  # fmt: skip
     if resume:
         load_trainer_state(checkpoints[-1], policy.model, trainer.optimizer)
         if world.leader:
@@ -155,6 +156,13 @@ def open_run(cfg: LearnerConfig, resume: bool, world: World | None = None, task:
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
         trackers = Trackers(cfg, run_dir)
     return Run(cfg, run_dir, policy, task, trainer, start_step, wall_offset, trackers, world)
+
+
+def max_completion_tokens(cfg: LearnerConfig) -> int:
+    """The most tokens one completion trains on: an episode's model turns, or one sampled completion."""
+    if cfg.env.env:
+        return min(cfg.env.max_turns * cfg.sampler.max_new_tokens, cfg.env.max_episode_tokens)
+    return cfg.sampler.max_new_tokens
 
 
 def evaluate_checkpoint(cfg: LearnerConfig, checkpoint: Path, engine: Engine) -> dict:
@@ -235,6 +243,7 @@ def batch_metrics(groups: list[list[Rollout]], stats: dict) -> dict:
         "kl": stats["kl_behaviour"],
         "kl_ref": stats["kl_ref"],
         "clip_frac": stats["clip_frac"],
+        "dropped_frac": stats.get("dropped_frac", 0.0),  # tokens grpo.correction dropped (mis, icepop, seq_mask)
         "grad_norm": stats["grad_norm"],
         "tokens": tokens,
         "trained_tokens": stats["trained_tokens"],

@@ -35,8 +35,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--learner-arg", action="append", default=[], help="one more `learner start` flag")
-    parser.add_argument("--worker-arg", action="append", default=[],
-                        help="one more `worker join` flag, e.g. --uplink-mbit=20")
+    parser.add_argument(
+        "--worker-arg", action="append", default=[], help="one more `worker join` flag, e.g. --uplink-mbit=20"
+    )
     parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args()
     if why := missing():

@@ -86,6 +86,24 @@ def test_every_task_runs_and_the_weights_move_exactly_when_there_is_signal(tmp_p
     assert weights_moved(tmp_path / task) == any(m["trained_tokens"] > 0 for m in ms)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--objective", "cispo", "--correction", "icepop", "--loss-norm", "constant", "--no-advantage-std"],
+        ["--objective", "gspo", "--correction", "seq_mask", "--loss-norm", "sequence", "--minibatches", "2"],
+    ],
+)
+def test_objectives_and_corrections_train_a_run(tmp_path, options):
+    """The objectives other than the default and their corrections, through `learner start` as a user names
+    them: every step is finite, the weights move."""
+    res = start(tmp_path / "R", "--task", "arithmetic", "--steps", "2", *options)
+    assert res.returncode == 0, res.stderr
+    ms = metrics(tmp_path / "R")
+    assert len(ms) == 2 and all(m["skipped_updates"] == 0 and 0.0 <= m["dropped_frac"] <= 1.0 for m in ms)
+    assert json.loads((tmp_path / "R" / "config.json").read_text())["grpo"]["objective"] == options[1]
+    assert weights_moved(tmp_path / "R")
+
+
 def test_transformers_engine_runs(tmp_path):
     args = ["--engine", "transformers", "--steps", "1", "--prompts-per-step", "1", "--group-size", "2"]
     res = start(tmp_path / "hf", *args, "--max-new-tokens", "8")

@@ -328,6 +328,7 @@ def test_a_peer_is_redialled_only_at_the_addresses_we_chose(hosts):
     try:
         via_relay = far.addrs[0].replace(f"/tcp/{port}/", f"/tcp/{relay.port}/")
         assert near.request(via_relay, "/echo/test/1", {"x": 1})["echo"] == 1
+
         def announced() -> list:
             try:
                 return near._host.get_peerstore().addrs(ID.from_base58(far.peer_id))

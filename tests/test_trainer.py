@@ -102,8 +102,58 @@ def test_sequence_normalisation_weighs_every_completion_equally():
     for norm in ("token", "sequence"):
         trainer = GRPOTrainer(copy.deepcopy(policy).model, GRPOConfig(loss_norm=norm, lr=1e-9), 1.0)
         losses[norm] = trainer.step(batch)["loss"]
+    trainer = GRPOTrainer(copy.deepcopy(policy).model, GRPOConfig(loss_norm="constant", lr=1e-9), 1.0,
+                          max_completion_tokens=20)  # fmt: skip
+    losses["constant"] = trainer.step(batch)["loss"]
     assert losses["token"] == pytest.approx(-(5 * 1.0 + 10 * -1.0) / 15, abs=1e-4)  # 1/3: the long one dominates
     assert losses["sequence"] == pytest.approx(0.0, abs=1e-4)  # one completion each way: they cancel
+    assert losses["constant"] == pytest.approx(-(5 * 1.0 + 10 * -1.0) / (2 * 20), abs=1e-4)  # Dr. GRPO: 1/(n L)
+    with pytest.raises(ValueError, match="max_completion_tokens"):
+        GRPOTrainer(policy.model, GRPOConfig(loss_norm="constant"), 1.0)
+
+
+@pytest.mark.parametrize("norm", ["token", "sequence", "constant"])
+def test_tokens_a_correction_drops_leave_the_normaliser(norm):
+    """A rollout whose every token mis drops (its sampler's logprobs far below the learner's: rho > ratio_cap)
+    changes neither the loss nor the gradient: the step is the step without it."""
+    base = tiny_policy(0)
+    rollouts = make_rollouts(base)
+    dropped = [Rollout(r.prompt_ids, r.completion_ids, [lp - 5.0 for lp in r.behaviour_logprobs], 1.0, 1.0)
+               for r in make_rollouts(base, 2)]  # fmt: skip
+    results = []
+    for batch in (rollouts, rollouts + dropped):
+        policy = copy.deepcopy(base)
+        cfg = GRPOConfig(objective="cispo", correction="mis", loss_norm=norm, max_grad_norm=1e9)
+        trainer = GRPOTrainer(policy.model, cfg, 1.0, max_completion_tokens=16)
+        trainer.optimizer.step = lambda: None  # keep the gradient for inspection
+        trainer.optimizer.zero_grad = lambda set_to_none=True: None
+        stats = trainer.step(batch)
+        grad = torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None])
+        results.append((stats, grad))
+    (kept, g_kept), (with_dropped, g_dropped) = results
+    assert with_dropped["loss"] == pytest.approx(kept["loss"], rel=1e-5)
+    assert torch.allclose(g_kept, g_dropped, atol=1e-7, rtol=1e-4)
+    assert with_dropped["trained_tokens"] == kept["trained_tokens"]
+    n_dropped = sum(len(r.completion_ids) for r in dropped)
+    assert with_dropped["dropped_frac"] == pytest.approx(n_dropped / (kept["trained_tokens"] + n_dropped))
+
+
+@pytest.mark.parametrize(
+    "objective, correction",
+    [("behaviour", "tis"), ("decoupled", "tis"), ("decoupled", "icepop"), ("gspo", "seq_mask"), ("gspo", "none"),
+     ("cispo", "tis"), ("cispo", "mis")],
+)  # fmt: skip
+def test_every_objective_raises_the_likelihood_of_positive_advantage(objective, correction):
+    policy = tiny_policy(0)
+    rollouts = make_rollouts(policy)
+    cfg = GRPOConfig(lr=1e-2, objective=objective, correction=correction, minibatches=2)
+    trainer = GRPOTrainer(policy.model, cfg, temperature=1.0)
+    before = completion_logprobs(policy.model, rollouts, 1.0).detach()
+    stats = trainer.step(rollouts)
+    after = completion_logprobs(policy.model, rollouts, 1.0).detach()
+    assert stats["skipped_updates"] == 0 and stats["grad_norm"] > 0
+    sign = torch.cat([torch.full((len(r.completion_ids),), r.advantage) for r in rollouts])
+    assert float(((after - before) * sign).sum()) > 0
 
 
 def test_skipping_equal_groups_does_not_rescale_the_gradient():

@@ -164,7 +164,7 @@ class RolloutIntake:
         try:
             scored = score_groups(
                 self.prompts.task, self.prompts.policy, [p for p, _ in problems], [ids for _, ids in problems],
-                [g.completions for g in submission.groups], version,
+                [g.completions for g in submission.groups], version, self.cfg.grpo.advantage_std,
             )  # fmt: skip
         except ReplayError as exc:  # an observation, ending or return the environment does not reproduce
             self.verifier.flag(peer, f"an episode does not replay: {exc}")

@@ -69,11 +69,13 @@ def score_groups(
     prompts: list[list[int]],
     groups: list[list[Completion]],
     version: int,
+    scale_by_std: bool = True,
 ) -> list[list[Rollout]]:
     """Score every completion with the task's reward and attach group-normalised advantages. An environment's
     episodes are replayed from their seed (problem.answer) instead: the return is the environment's, and an
     episode it does not reproduce raises envs.episode.ReplayError. A group in which the environment raised
-    trains on nothing: its returns all count 0, so its advantages are 0 (the exception is logged)."""
+    trains on nothing: its returns all count 0, so its advantages are 0 (the exception is logged).
+    `scale_by_std` false: advantages are not divided by the group's std (grpo.advantage_std, Dr. GRPO)."""
     rules = episode_rules(task)
     scored = []
     for problem, prompt_ids, group in zip(problems, prompts, groups, strict=True):
@@ -91,7 +93,8 @@ def score_groups(
             returns = [task.reward(policy.response(c.tokens), problem.answer) for c in group]
         # any reward function's value, made safe to normalise: non-finite scores 0, clamped to +-REWARD_LIMIT
         rewards = [clamp_reward(r) for r in returns]
-        advantages = group_advantages(torch.tensor([rewards], dtype=torch.float64))[0].tolist()  # [G]
+        advantages = group_advantages(torch.tensor([rewards], dtype=torch.float64), scale_by_std=scale_by_std)
+        advantages = advantages[0].tolist()  # [G]
         scored.append(
             [
                 Rollout(prompt_ids, c.tokens, c.logprobs, reward, advantage, version, c.spans, fail)

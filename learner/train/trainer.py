@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from learner.config import GRPOConfig
 from learner.train.data_parallel import World
 from learner.train.devices import autocast, grad_checkpointing_on
-from learner.train.grpo import policy_loss
+from learner.train.grpo import PROXIMAL_OBJECTIVES, TokenBatch, correction_weights, policy_loss
 from p2p.messages import sampled_positions
 
 log = logging.getLogger(__name__)
@@ -74,12 +74,19 @@ class GRPOTrainer:
     `precision` bf16: the model's forward and backward passes run under bfloat16 autocast
     (learner.train.devices); the output layer, log-softmax and loss stay float32, so a token's ratio
     pi / mu is not rounded to bf16's 8 bits of mantissa.
+
+    `max_completion_tokens` is the L of loss_norm = constant (Dr. GRPO's 1 / (n L)): the most tokens a
+    completion can train on (the run's sampler.max_new_tokens, or an episode's budget).
     """
 
     def __init__(
         self, model: torch.nn.Module, cfg: GRPOConfig, temperature: float, world: World = World(),
         top_p: float = 1.0, reference: torch.nn.Module | None = None, precision: str = "fp32",
+        max_completion_tokens: int | None = None,
     ) -> None:  # fmt: skip
+        if cfg.loss_norm == "constant" and not max_completion_tokens:
+            raise ValueError("loss_norm = constant needs max_completion_tokens (its fixed length L)")
+        self.max_completion_tokens = max_completion_tokens or 1
         self.model = model
         self.precision = precision
         self.cfg = cfg
@@ -112,9 +119,10 @@ class GRPOTrainer:
             passes = micro_batches(trained[world.rank :: world.size], cfg.micro_batch_tokens)
             passes += [[]] * (world.max(len(passes)) - len(passes))
             plans.append((mb, passes))
-        # decoupled: pi_prox is the policy before this step's first update, for every rollout of the batch
-        proximal = self._proximal_logprobs(plans) if cfg.objective == "decoupled" else None
-        sums = {"loss": 0.0, "clip_frac": 0.0, "kl_behaviour": 0.0, "ratio_mean": 0.0, "kl_ref": 0.0, "grad_norm": 0.0}
+        # decoupled, gspo, cispo: pi_prox is the policy before this step's first update, for every rollout
+        proximal = self._proximal_logprobs(plans) if cfg.objective in PROXIMAL_OBJECTIVES else None
+        sums = {"loss": 0.0, "clip_frac": 0.0, "kl_behaviour": 0.0, "ratio_mean": 0.0, "kl_ref": 0.0,
+                "dropped_frac": 0.0, "grad_norm": 0.0}  # fmt: skip
         trained_tokens = skipped = 0
         self.model.train()
         for mb, passes in plans:
@@ -149,11 +157,15 @@ class GRPOTrainer:
         trained = [
             r for r in rollouts if not (self.cfg.skip_equal_groups and self.cfg.beta == 0 and r.advantage == 0.0)
         ]
+        passes = micro_batches(trained, self.cfg.micro_batch_tokens)
+        # the weights do not change until optim_step: pi_prox is the policy as it is now
+        proximal = self._proximal_logprobs([(rollouts, passes)]) if self.cfg.objective in PROXIMAL_OBJECTIVES else None
         self.model.train()
-        sums = self._backward(rollouts, micro_batches(trained, self.cfg.micro_batch_tokens), None)
+        sums = self._backward(rollouts, passes, proximal)
         tokens = max(sums["tokens"], 1e-12)
         return {
             "loss": sums["loss"], "kl_ref": sums["kl_ref"], "trained_tokens": int(sums["tokens"]),
+            "dropped_frac": sums["dropped_frac"],
             **{key: sums[key] / tokens for key in ("clip_frac", "kl_behaviour", "ratio_mean")},
         }  # fmt: skip
 
@@ -166,43 +178,64 @@ class GRPOTrainer:
         self, minibatch: list[TrainingSequence], passes: list[Batch], proximal: dict[int, torch.Tensor] | None
     ) -> dict[str, float]:
         """The loss's gradient over `passes` (this rank's micro-batches of `minibatch`) added to .grad. The loss
-        is normalised over all of the minibatch's tokens, those of skipped equal-reward groups included, so
-        skipping (an optimisation: their gradient is zero) never rescales the step. Returns the loss and
-        token-weighted sums of the statistics, summed over ranks."""
+        is normalised over the minibatch's tokens (loss_norm), those of skipped equal-reward groups included, so
+        skipping (an optimisation: their gradient is zero) never rescales the step; tokens a correction drops
+        (weight 0) and sequences it drops whole leave the normaliser. Returns the loss and token-weighted sums
+        of the statistics, summed over ranks."""
         cfg, world = self.cfg, self.world
-        total_tokens = sum(len(sampled(r)) for r in minibatch)  # trained tokens of the whole minibatch, all ranks
-        n_rollouts = len(minibatch)
+        device = model_device(self.model)  # every tensor of the step where the model is
+        corrections = {}  # id(rollout) -> the correction's weights of its tokens [len_i], this rank's rollouts
+        if proximal is not None:
+            for r in (r for batch in passes for r in batch):
+                behaviour = torch.tensor(sampled_logprobs(r), device=device)
+                corrections[id(r)] = correction_weights(proximal[id(r)], behaviour, cfg)
+        dropped_tokens, dropped_rollouts = world.sum(
+            [sum(float((w == 0).sum()) for w in corrections.values()),
+             sum(float(len(w) > 0 and bool((w == 0).all())) for w in corrections.values())]
+        )  # fmt: skip
+        all_tokens = sum(len(sampled(r)) for r in minibatch)  # trained tokens of the whole minibatch, all ranks
+        kept_tokens = max(all_tokens - dropped_tokens, 1.0)
+        kept_rollouts = max(len(minibatch) - dropped_rollouts, 1.0)
         sums = {"loss": 0.0, "clip_frac": 0.0, "kl_behaviour": 0.0, "ratio_mean": 0.0, "kl_ref": 0.0, "tokens": 0.0}
         for batch in passes:
             if not batch:  # this rank's share is done: a pass that adds nothing to the gradient
                 (self._logprobs(self.model, [PADDING]).sum() * 0.0).backward()
                 continue
-            device = model_device(self.model)  # every tensor of the step where the model is
             lengths = torch.tensor([len(sampled(r)) for r in batch], device=device)  # [B] trained tokens each
+            sequence = torch.repeat_interleave(torch.arange(len(batch), device=device), lengths)  # [N]
+            correction = torch.cat([corrections[id(r)] for r in batch]) if corrections else None  # [N]
+            kept = (correction > 0).float() if correction is not None else torch.ones(len(sequence), device=device)
             if cfg.loss_norm == "token":
-                weights = torch.full((int(lengths.sum()),), 1.0 / total_tokens, device=device)  # [N]
-            else:
-                weights = torch.repeat_interleave(1.0 / (lengths * n_rollouts), lengths)  # [N]
+                weights = kept / kept_tokens  # [N]
+            elif cfg.loss_norm == "sequence":
+                kept_lengths = torch.zeros(len(batch), device=device).index_add(0, sequence, kept)  # [B]
+                weights = kept / (kept_lengths.clamp(min=1.0)[sequence] * kept_rollouts)  # [N]
+            else:  # constant (Dr. GRPO): every token weighs 1 / (n L), whatever the completions' lengths
+                weights = kept / (kept_rollouts * self.max_completion_tokens)  # [N]
             logp = self._logprobs(self.model, batch)  # [N]
             logp_ref = None
             if self.reference is not None:
                 with torch.no_grad():
                     logp_ref = self._logprobs(self.reference, batch)  # [N]
-            behaviour = torch.tensor([lp for r in batch for lp in sampled_logprobs(r)], device=device)  # [N]
-            advantages = torch.repeat_interleave(torch.tensor([r.advantage for r in batch], device=device), lengths)
-            prox = None if proximal is None else torch.cat([proximal[id(r)] for r in batch])  # [N]
-            loss, stats = policy_loss(
-                logp, behaviour, advantages, weights,
-                cfg.eps_low, cfg.eps_high, cfg.ratio_cap, logp_ref, cfg.beta, prox,
-            )  # fmt: skip
+            tokens_in = TokenBatch(
+                logp=logp,
+                logp_behaviour=torch.tensor([lp for r in batch for lp in sampled_logprobs(r)], device=device),
+                advantages=torch.repeat_interleave(torch.tensor([r.advantage for r in batch], device=device), lengths),
+                sequence=sequence,
+                logp_proximal=None if proximal is None else torch.cat([proximal[id(r)] for r in batch]),
+                correction=correction,
+            )
+            loss, stats = policy_loss(tokens_in, weights, cfg, logp_ref)
             (loss * world.size).backward()  # FSDP averages gradients over ranks; the weights are global
-            tokens = float(lengths.sum())
+            tokens = float(kept.sum())
             sums["loss"] += loss.item()
             for key in ("clip_frac", "kl_behaviour", "ratio_mean"):
                 sums[key] += stats[key] * tokens
             sums["kl_ref"] += stats.get("kl_ref", 0.0)
             sums["tokens"] += tokens
-        return dict(zip(sums, world.sum(list(sums.values())), strict=True))
+        summed = dict(zip(sums, world.sum(list(sums.values())), strict=True))
+        summed["dropped_frac"] = dropped_tokens / max(all_tokens, 1)
+        return summed
 
     def _apply(self, loss: float) -> float | None:
         """Clip the gradient, step and clear it; returns its norm, or None (and no step) if the loss or the
