@@ -130,7 +130,7 @@ class GRPOConfig:
     objective: Literal["behaviour", "decoupled", "gspo", "cispo"] = "behaviour"
     """behaviour: dual-clip PPO on pi/mu; decoupled, gspo, cispo: ratio to the learner's own policy (§4)."""
     correction: Literal["tis", "mis", "icepop", "seq_mask", "none"] = "tis"
-    """decoupled/gspo/cispo: each token's weight from rho = pi_prox/mu (behaviour's pi/mu has its own)."""
+    """decoupled/gspo/cispo: each token's weight from rho = pi_prox/mu; behaviour ignores it (§4)."""
     mismatch_low: float = 0.5
     """icepop: tokens with rho below this are dropped; seq_mask: the same for a sequence's geometric mean."""
     mismatch_high: float = 2.0

@@ -185,7 +185,9 @@ def test_a_swarm_trains_a_family_with_lora_and_flags_no_honest_worker(name, swar
     data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": 40}) + "\n" for i in range(5)))
     # --min-workers 2: no lease until both hold v0; --no-autoscale: both stay active (the capacity model may
     # switch the slower one off: in a fresh clone a llama.cpp worker merging adapters got no group, twice)
-    learner = swarm.learner("--model", str(folder), "--steps", "6", "--publish-every", "1", "--verify-first", "1000",
+    # 8 steps: a fresh clone on a loaded machine saw the llama.cpp worker (merging a MoE's adapters) deliver
+    # its first group only after the transformers worker had done all 6 steps' work alone
+    learner = swarm.learner("--model", str(folder), "--steps", "8", "--publish-every", "1", "--verify-first", "1000",
                             "--min-workers", "2", "--no-autoscale", "--lora-rank", "4", "--lr", "5e-2",
                             "--task", f"jsonl:{data}",
                             "--task-args", "reward=tests.rewards:starts_ascii")  # fmt: skip
@@ -193,7 +195,7 @@ def test_a_swarm_trains_a_family_with_lora_and_flags_no_honest_worker(name, swar
     swarm.worker("llama", "--max-groups", "1")
     assert swarm.wait(learner, 300) == 0, swarm.log("learner")[-3000:]
     metrics = swarm.metrics()
-    assert len(metrics) == 6 and metrics[-1]["groups_dropped_flagged"] == 0
+    assert len(metrics) == 8 and metrics[-1]["groups_dropped_flagged"] == 0
     assert metrics[-1]["verification"]["groups"] >= metrics[-1]["groups_accepted"] > 0
     assert "flagged" not in swarm.log("learner") and "Traceback" not in swarm.log("learner")
     accepted = {w: r["groups_accepted"] for w, r in metrics[-1]["workers"].items()}

@@ -221,3 +221,15 @@ def test_dr_grpo_advantages_are_not_scaled_by_std():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [3.0, 3.0, 3.0, 3.0]])
     assert group_advantages(rewards, scale_by_std=False)[0].tolist() == [0.75, -0.25, -0.25, -0.25]
     assert group_advantages(rewards, scale_by_std=False)[1].tolist() == [0.0] * 4
+
+
+def test_gspo_gives_no_gradient_to_a_token_the_correction_dropped():
+    mu = torch.tensor([-1.0, -2.0, -3.0])
+    prox = mu + torch.tensor([0.0, 0.0, math.log(4.0)])  # rho 1, 1, 4: icepop drops the third token
+    logp = (prox + torch.tensor([0.05, -0.05, 0.3])).requires_grad_(True)
+    cfg = ppo(objective="gspo", correction="icepop", minibatches=2)
+    loss, _ = loss_of(logp, mu, torch.ones(3), torch.full((3,), 1 / 3), cfg, prox)
+    loss.backward()
+    assert logp.grad[2].item() == 0.0 and logp.grad[0].item() != 0.0
+    # s is the geometric mean of the kept tokens' ratios only: exp((0.05 - 0.05) / 2) = 1
+    assert loss.item() == pytest.approx(-(1.0 + 1.0) / 3, rel=1e-6)

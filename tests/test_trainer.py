@@ -138,6 +138,34 @@ def test_tokens_a_correction_drops_leave_the_normaliser(norm):
     assert with_dropped["dropped_frac"] == pytest.approx(n_dropped / (kept["trained_tokens"] + n_dropped))
 
 
+def test_a_batch_whose_every_token_is_dropped_takes_no_step():
+    policy = tiny_policy(0)
+    dropped = [Rollout(r.prompt_ids, r.completion_ids, [lp - 5.0 for lp in r.behaviour_logprobs], 1.0, 1.0)
+               for r in make_rollouts(policy, 4)]  # fmt: skip
+    before = [p.detach().clone() for p in policy.model.parameters()]
+    trainer = GRPOTrainer(policy.model, GRPOConfig(objective="cispo", correction="icepop", weight_decay=0.1), 1.0)
+    stats = trainer.step(dropped)
+    assert stats["trained_tokens"] == 0 and stats["dropped_frac"] == 1.0 and stats["skipped_updates"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.model.parameters(), strict=True))
+
+
+def test_with_sequence_norm_a_partly_dropped_sequence_keeps_only_its_kept_share():
+    """A worker's logprobs that drop all but one token of a completion must not give that token the whole
+    completion's weight: with loss_norm = sequence each token weighs 1 / (len_i * n) whatever was dropped."""
+    policy = tiny_policy(0)
+    r = make_rollouts(policy, 6)[5]  # 10 tokens
+    lying = [lp - 5.0 for lp in r.behaviour_logprobs]
+    lying[0] = r.behaviour_logprobs[0]  # only the first token is kept by mis (rho = 1 there, e^5 elsewhere)
+    batch = [Rollout(r.prompt_ids, r.completion_ids, lying, 1.0, 1.0)]
+    cfg = GRPOConfig(objective="cispo", correction="mis", loss_norm="sequence", lr=1e-9)
+    stats = GRPOTrainer(policy.model, cfg, 1.0).step(batch)
+    # cispo's surrogate at ratio 1: w A log pi = log pi(token 0); one kept token of ten, one sequence
+    with torch.no_grad():
+        logp0 = completion_logprobs(policy.model, batch, 1.0)[0].item()
+    assert stats["loss"] == pytest.approx(-logp0 / 10, rel=1e-4)
+    assert stats["trained_tokens"] == 1 and stats["dropped_frac"] == pytest.approx(0.9)
+
+
 @pytest.mark.parametrize(
     "objective, correction",
     [("behaviour", "tis"), ("decoupled", "tis"), ("decoupled", "icepop"), ("gspo", "seq_mask"), ("gspo", "none"),
@@ -156,14 +184,18 @@ def test_every_objective_raises_the_likelihood_of_positive_advantage(objective, 
     assert float(((after - before) * sign).sum()) > 0
 
 
-def test_skipping_equal_groups_does_not_rescale_the_gradient():
+@pytest.mark.parametrize("objective, correction", [("behaviour", "tis"), ("cispo", "mis")])
+def test_skipping_equal_groups_does_not_rescale_the_gradient(objective, correction):
     base = tiny_policy(0)
     rollouts = make_rollouts(base)
-    equal = [Rollout(r.prompt_ids, r.completion_ids, r.behaviour_logprobs, 0.5, 0.0) for r in make_rollouts(base, 4)]
+    # equal-reward groups whose logprobs a masking correction would drop: an A = 0 token is never dropped
+    equal = [Rollout(r.prompt_ids, r.completion_ids, [lp - 5.0 for lp in r.behaviour_logprobs], 0.5, 0.0)
+             for r in make_rollouts(base, 4)]  # fmt: skip
     grads = []
     for skip in (True, False):
         policy = copy.deepcopy(base)
-        trainer = GRPOTrainer(policy.model, GRPOConfig(skip_equal_groups=skip, max_grad_norm=1e9), 1.0)
+        cfg = GRPOConfig(skip_equal_groups=skip, max_grad_norm=1e9, objective=objective, correction=correction)
+        trainer = GRPOTrainer(policy.model, cfg, 1.0)
         trainer.optimizer.step = lambda: None  # keep the gradient for inspection
         trainer.optimizer.zero_grad = lambda set_to_none=True: None
         trainer.step(rollouts + equal)

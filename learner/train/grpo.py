@@ -113,15 +113,15 @@ def decoupled_surrogate(t: TokenBatch, cfg: GRPOConfig) -> tuple[torch.Tensor, t
 @objective("gspo")
 def gspo_surrogate(t: TokenBatch, cfg: GRPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of its tokens' ratios,
-        s_i  = exp(mean_{t in i} (log pi_theta - log pi_prox)),  surr_i = min(s_i A_i, clip(s_i) A_i),
+        s_i  = exp(mean_{t in i, kept} (log pi_theta - log pi_prox)),  surr_i = min(s_i A_i, clip(s_i) A_i),
     every token of sequence i carrying surr_i (so loss_norm = sequence gives GSPO's 1/G sum_i exactly).
+    The mean runs over the tokens the correction kept, so a dropped token gets no gradient through s_i.
     The paper's clip is far tighter than PPO's (eps_low 3e-4, eps_high 4e-4)."""
-    log_ratio = t.logp - t.logp_proximal  # [N]
+    kept = torch.ones_like(t.logp) if t.correction is None else (t.correction > 0).to(t.logp.dtype)  # [N]
+    log_ratio = (t.logp - t.logp_proximal) * kept  # [N]
     n = int(t.sequence.max()) + 1 if len(t.sequence) else 0
     sums = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device).index_add(0, t.sequence, log_ratio)
-    counts = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device).index_add(
-        0, t.sequence, torch.ones_like(log_ratio)
-    )  # [S]
+    counts = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device).index_add(0, t.sequence, kept)  # [S]
     seq_ratio = exp_ratio(sums / counts.clamp(min=1.0))  # [S]
     kept, unclipped = clipped_surrogate(seq_ratio[t.sequence], t.advantages, cfg)  # [N]
     return kept, kept != unclipped

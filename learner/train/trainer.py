@@ -141,10 +141,13 @@ class GRPOTrainer:
         """One optimizer update on a minibatch. Returns (stats, tokens trained) or (None, 0) if not finite."""
         self.optimizer.zero_grad(set_to_none=True)
         sums = self._backward(minibatch, passes, proximal)
+        tokens = sums.pop("tokens")
+        if tokens == 0:  # nothing kept: no step (AdamW's momentum and decay would still move the weights)
+            self.optimizer.zero_grad(set_to_none=True)
+            return {**sums, "grad_norm": 0.0}, 0
         grad_norm = self._apply(sums["loss"])
         if grad_norm is None:
             return None, 0
-        tokens = max(sums.pop("tokens"), 1e-12)
         for key in ("clip_frac", "kl_behaviour", "ratio_mean"):
             sums[key] /= tokens
         return {**sums, "grad_norm": grad_norm}, int(tokens)
@@ -189,6 +192,10 @@ class GRPOTrainer:
             for r in (r for batch in passes for r in batch):
                 behaviour = torch.tensor(sampled_logprobs(r), device=device)
                 corrections[id(r)] = correction_weights(proximal[id(r)], behaviour, cfg)
+        # a token with A = 0 is never dropped: it carries no policy gradient (only the KL term), and so a skipped
+        # equal-reward group, whose correction is not computed, counts as it would if it were trained
+        for r in (r for batch in passes for r in batch if r.advantage == 0.0 and id(r) in corrections):
+            corrections[id(r)] = torch.ones_like(corrections[id(r)])
         dropped_tokens, dropped_rollouts = world.sum(
             [sum(float((w == 0).sum()) for w in corrections.values()),
              sum(float(len(w) > 0 and bool((w == 0).all())) for w in corrections.values())]
@@ -208,8 +215,9 @@ class GRPOTrainer:
             if cfg.loss_norm == "token":
                 weights = kept / kept_tokens  # [N]
             elif cfg.loss_norm == "sequence":
-                kept_lengths = torch.zeros(len(batch), device=device).index_add(0, sequence, kept)  # [B]
-                weights = kept / (kept_lengths.clamp(min=1.0)[sequence] * kept_rollouts)  # [N]
+                # over the whole length: a sequence's dropped tokens take their share of its weight with them
+                # (else a worker's logprobs could drop all but one token and give that one the whole weight)
+                weights = kept / (lengths[sequence] * kept_rollouts)  # [N]
             else:  # constant (Dr. GRPO): every token weighs 1 / (n L), whatever the completions' lengths
                 weights = kept / (kept_rollouts * self.max_completion_tokens)  # [N]
             logp = self._logprobs(self.model, batch)  # [N]
