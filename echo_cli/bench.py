@@ -12,6 +12,7 @@ import json
 import random
 import tempfile
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -113,11 +114,13 @@ ENGINES = {  # name: (engine, gpu_layers, device)
 
 def run_engines_bench(
     names: list[str], model: str, prompts: int, group_size: int, max_new_tokens: int, threads: int,
-    max_batch: int, cache_dir: str, json_out: bool,
+    max_batch: int, cache_dir: str, json_out: bool, quants: tuple[str, ...] = (),
 ) -> list[dict]:  # fmt: skip
     """Worker tokens/s of each engine on the same prompts, draws and token budget, one after the other
     in one process: llama.cpp on the CPU and offloaded to its GPU backend, transformers on CPU and CUDA.
-    An engine this machine cannot run (no GPU backend, no CUDA) is reported as such, not measured."""
+    An engine this machine cannot run (no GPU backend, no CUDA) is reported as such, not measured.
+    `quants` (worker.quantize formats): each llama.cpp engine again on llama.cpp's quantization of the
+    weights, with the seconds to quantize and the GGUF's bytes (what the weights take in memory)."""
     import torch
 
     from learner.tasks import make_task
@@ -127,6 +130,7 @@ def run_engines_bench(
     from p2p.messages import GenerationRequest, SamplingParams
     from worker.engines import make_engine
     from worker.engines.llamacpp import gpu_backend
+    from worker.quantize import quantize_gguf
 
     unknown = [n for n in names if n not in ENGINES]
     if unknown:
@@ -144,31 +148,38 @@ def run_engines_bench(
         if not available.get(name, True):
             results.append({"engine": name, "tokens_per_s": None, "note": "not available on this machine"})
             continue
-        engine = make_engine(
-            engine_name, tempfile.mkdtemp(prefix="echo-bench-"), threads, max_batch, gpu_layers, device
-        )
+        work = Path(tempfile.mkdtemp(prefix="echo-bench-"))
+        engine = make_engine(engine_name, str(work), threads, max_batch, gpu_layers, device)
         engine.load_policy(spec, tensors)
-        engine.generate(requests[:1], SamplingParams(1.0, 1.0, 4, 0))  # warm-up: context, kernels
-        t = time.perf_counter()
-        groups = engine.generate(requests, params)
-        seconds = time.perf_counter() - t
-        tokens = sum(len(c.tokens) for g in groups for c in g)
-        results.append({"engine": name, "tokens": tokens, "seconds": round(seconds, 3),
-                        "tokens_per_s": round(tokens / seconds, 1), "backend": engine.backend()})  # fmt: skip
+        for fmt in ("f16", *quants) if engine_name == "llamacpp" else (None,):
+            row = {"engine": name if fmt is None else f"{name} {fmt}"}
+            if fmt not in (None, "f16"):
+                row["quantize_s"] = round(quantize_gguf(work / "policy.gguf", work / f"{fmt}.gguf", fmt, threads), 2)
+                engine.load_gguf(work / f"{fmt}.gguf", spec.eos_ids)
+            if fmt is not None:
+                row["gguf_bytes"] = (work / ("policy.gguf" if fmt == "f16" else f"{fmt}.gguf")).stat().st_size
+            engine.generate(requests[:1], SamplingParams(1.0, 1.0, 4, 0))  # warm-up: context, kernels
+            t = time.perf_counter()
+            groups = engine.generate(requests, params)
+            seconds = time.perf_counter() - t
+            tokens = sum(len(c.tokens) for g in groups for c in g)
+            results.append({**row, "tokens": tokens, "seconds": round(seconds, 3),
+                            "tokens_per_s": round(tokens / seconds, 1), "backend": engine.backend()})  # fmt: skip
         if hasattr(engine, "close"):
             engine.close()
     if json_out:
         print(json.dumps(results))
         return results
     table = Table(title=f"worker engines, {model}, {prompts} prompts x {group_size}, <= {max_new_tokens} tokens")
-    for col in ("engine", "runs on", "completion tokens", "seconds", "tokens/s"):
+    for col in ("engine", "runs on", "completion tokens", "seconds", "tokens/s", "weights MiB"):
         table.add_column(col, justify="left" if col in ("engine", "runs on") else "right")
     for r in results:
         if r["tokens_per_s"] is None:
-            table.add_row(r["engine"], r["note"], "-", "-", "-")
+            table.add_row(r["engine"], r["note"], "-", "-", "-", "-")
         else:
             where = " ".join(str(v) for k, v in r["backend"].items() if k in ("backend", "gpu"))
-            table.add_row(r["engine"], where, str(r["tokens"]), f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.1f}")
+            size = f"{r['gguf_bytes'] / 2**20:.0f}" if "gguf_bytes" in r else "-"
+            table.add_row(r["engine"], where, str(r["tokens"]), f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.1f}", size)
     Console().print(table)
     return results
 

@@ -47,18 +47,31 @@ def bench_engines(
     threads: int = typer.Option(2, "--threads", help="CPU threads."),
     max_batch: int = typer.Option(32, "--max-batch", help="Sequences decoded together."),
     cache_dir: str = typer.Option("~/.cache/echo-rl", "--cache-dir", help="Model cache."),
+    quant: str = typer.Option("", "--quant", help="llama.cpp also on q8_0, q4_0, q4_k_m weights (commas)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:  # fmt: skip
     """Worker tokens/s per engine: llama.cpp on CPU and GPU, transformers on CPU and CUDA, same prompts."""
     setup_logging()
     from echo_cli.bench import run_engines_bench
 
+    quants = quant_formats(quant)
     try:
         run_engines_bench(
-            engines.split(","), model, prompts, group_size, max_new_tokens, threads, max_batch, cache_dir, json_out
-        )
+            engines.split(","), model, prompts, group_size, max_new_tokens, threads, max_batch, cache_dir, json_out,
+            quants,
+        )  # fmt: skip
     except user_errors() as exc:
         raise fail(str(exc)) from None
+
+
+def quant_formats(text: str) -> tuple[str, ...]:
+    """--quant's comma-separated weight formats, each one worker.quantize knows."""
+    from worker.quantize import QUANT_TYPES
+
+    quants = tuple(q for q in text.split(",") if q)
+    if unknown := [q for q in quants if q not in QUANT_TYPES]:
+        raise fail(f"--quant {','.join(unknown)}: choose from {', '.join(QUANT_TYPES)}")
+    return quants
 
 
 @bench_app.command("verify")
@@ -78,10 +91,12 @@ def bench_verify(
     off_draw: float = typer.Option(
         SwarmConfig.verify_off_draw, "--off-draw", help="Share of tokens off their draws that flags a worker."
     ),
+    quant: str = typer.Option("", "--quant", help="Also quantized workers: q8_0, q4_0, q4_k_m (commas)."),
+    steered: bool = typer.Option(True, "--steered/--no-steered", help="Steered forgeries (slow: hours)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Calibrate rollout verification: honest llama.cpp rollouts against forged logprobs, unsampled and
-    steered text."""
+    steered text; with --quant, workers running llama.cpp's quantized weights."""
     setup_logging()
     from echo_cli.bench_verify import run_verify_bench
 
@@ -93,10 +108,11 @@ def bench_verify(
         raise fail(f"--temperatures must be numbers separated by commas, got {temperatures!r}") from None
     if not temps or min(temps) <= 0:
         raise fail(f"--temperatures must all be > 0, got {temperatures!r}")
+    quants = quant_formats(quant)
     try:
         run_verify_bench(
             model, prompts, group_size, max_new_tokens, top_p, wire_dtype, threads, cache_dir, json_out, temps,
-            SwarmConfig.verify_tolerance, draw_tolerance, off_draw,
+            SwarmConfig.verify_tolerance, draw_tolerance, off_draw, quants, steered,
         )  # fmt: skip
     except user_errors() as exc:
         raise fail(str(exc)) from None

@@ -7,6 +7,7 @@ import json
 import random
 import tempfile
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -49,7 +50,7 @@ def steered_completion(
 def run_verify_bench(
     model: str, prompts: int, group_size: int, max_new_tokens: int, top_p: float, wire_dtype: str, threads: int,
     cache_dir: str, json_out: bool, temperatures: list[float], tolerance: float = 0.02, draw_tolerance: float = 0.02,
-    off_draw_tolerance: float = 0.05,
+    off_draw_tolerance: float = 0.05, quants: tuple[str, ...] = (), steered_rows: bool = True,
 ) -> dict:  # fmt: skip
     """Calibrate rollout verification (learner.orchestrate.verify): per group, the logprob divergence d and the draw
     miss m of honest llama.cpp rollouts against forgeries, at each temperature.
@@ -61,6 +62,11 @@ def run_verify_bench(
     another policy (weights with 1% relative noise, same draws), and completions steered token by token within
     a band of the draws (steered_completion). "caught" is the share of groups with d > tolerance,
     m > draw_tolerance or o (the share of tokens off their draws) > off_draw_tolerance.
+
+    `quants` (worker.quantize formats): honest workers running llama.cpp's quantization of the same version,
+    replayed with the F16 weights and with the quantized ones read back, an F16 worker claiming the format,
+    and how far llama.cpp's own logprobs of the same tokens move when the decode batch holds 8 sequences
+    instead of up to 32 (`batch_dependence`, nats/token; F16's beside it).
     """
     import copy
 
@@ -76,6 +82,7 @@ def run_verify_bench(
     from p2p.messages import GenerationRequest, SamplingParams
     from p2p.weights import to_float32
     from worker.engines.llamacpp import LlamaCppEngine
+    from worker.quantize import dequantized_weights, quantize_gguf, tensor_types
 
     policy = load_policy(model, cache_dir)
     spec = model_spec(policy)
@@ -95,9 +102,24 @@ def run_verify_bench(
     }  # fmt: skip
     seed = 12345
 
-    def sample(weights: dict, temperature: float, seed: int) -> list[list]:
-        engine = LlamaCppEngine(tempfile.mkdtemp(prefix="echo-verify-"), threads=threads, max_batch=32)
+    quantized: dict[str, dict] = {}  # format -> its GGUF, weights read back, quantize seconds, GGUF bytes
+
+    def sample(weights: dict, temperature: float, seed: int, fmt: str = "f16", max_batch: int = 32) -> list[list]:
+        work = tempfile.mkdtemp(prefix="echo-verify-")
+        engine = LlamaCppEngine(work, threads=threads, max_batch=max_batch)
         engine.load_policy(spec, {n: to_float32(a) for n, a in weights.items()})
+        if fmt != "f16":
+            if fmt not in quantized:
+                path = f"{work}/{fmt}.gguf"
+                seconds = quantize_gguf(f"{work}/policy.gguf", path, fmt, threads)
+                read_back = dequantized_weights(path, spec, {n: a.shape for n, a in tensors.items()})
+                quantized[fmt] = {
+                    "path": path,
+                    "seconds": seconds,
+                    "types": tensor_types(path),
+                    "weights": {n: read_back.get(n, to_float32(a)) for n, a in tensors.items()},
+                }
+            engine.load_gguf(quantized[fmt]["path"], spec.eos_ids)
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
         groups = engine.generate([GenerationRequest(p, group_size, k) for k, p in enumerate(prompt_ids)], params)
         engine.close()
@@ -165,10 +187,30 @@ def run_verify_bench(
             "other policy (1% noise), same draws": measure(
                 sample(perturbed, temperature, seed), lambda p, c, r: (c.tokens, c.logprobs)
             ),
-            f"steered within {0.9 * draw_tolerance:g} of the draws": steered(honest_groups, 0.9 * draw_tolerance),
-            "steered within 0.02 of the draws": steered(honest_groups, 0.02),
         }
+        if steered_rows:  # token by token in transformers: hours for SmolLM2 on 2 cores
+            rows[f"steered within {0.9 * draw_tolerance:g} of the draws"] = steered(honest_groups, 0.9 * draw_tolerance)
+            rows["steered within 0.02 of the draws"] = steered(honest_groups, 0.02)
+        batch_dependence = {"f16": logprob_shift(honest_groups, sample(tensors, temperature, seed, max_batch=8))}
+        for fmt in quants:
+            quant_groups = sample(tensors, temperature, seed, fmt)
+            quant_verifier = RolloutVerifier(
+                lambda: AutoModelForCausalLM.from_config(config), temperature, top_p, 1, 0.0, tolerance,
+                draw_tolerance,
+            )  # fmt: skip
+            quant_verifier.remember(0, quantized[fmt]["weights"], None)
+            rows[f"{fmt} worker, replayed with F16 weights"] = measure(
+                quant_groups, lambda p, c, r: (c.tokens, c.logprobs)
+            )
+            rows[f"{fmt} worker, replayed with {fmt} weights"] = measure(
+                quant_groups, lambda p, c, r: (c.tokens, c.logprobs), quant_verifier
+            )
+            rows[f"F16 worker claiming {fmt}"] = measure(
+                honest_groups, lambda p, c, r: (c.tokens, c.logprobs), quant_verifier
+            )
+            batch_dependence[fmt] = logprob_shift(quant_groups, sample(tensors, temperature, seed, fmt, max_batch=8))
         results[str(temperature)] = {
+            "batch_dependence": batch_dependence,
             "seconds_per_group_checked": round(check_s, 3),
             "tokens_per_group": sum(len(c.tokens) for g in honest_groups for c in g) / len(honest_groups),
             "rows": {name: _verify_row(v, tolerance, draw_tolerance, off_draw_tolerance) for name, v in rows.items()},
@@ -177,6 +219,10 @@ def run_verify_bench(
         "model": model, "prompts": prompts, "group_size": group_size, "max_new_tokens": max_new_tokens,
         "top_p": top_p, "wire_dtype": wire_dtype, "tolerance": tolerance, "draw_tolerance": draw_tolerance,
         "off_draw_tolerance": off_draw_tolerance, "temperatures": results,
+        "quantized": {
+            fmt: {"quantize_s": round(q["seconds"], 2), "bytes": Path(q["path"]).stat().st_size, "types": q["types"]}
+            for fmt, q in quantized.items()
+        },
     }  # fmt: skip
     if json_out:
         print(json.dumps(result))
@@ -192,12 +238,37 @@ def run_verify_bench(
                           f"{row['m_max']:.5f}", f"{row['o_median']:.3f}", f"{row['o_max']:.3f}",
                           f"{row['caught']:.0%}")  # fmt: skip
         Console().print(table)
+        for fmt, q in result["quantized"].items():
+            types = ", ".join(f"{n} x {k}" for k, n in q["types"].items())
+            Console().print(f"{fmt}: llama.cpp quantized the F16 GGUF in {q['quantize_s']:.2f} s to "
+                            f"{q['bytes'] / 2**20:.0f} MiB ({types})")  # fmt: skip
+        if len(r["batch_dependence"]) > 1:
+            Console().print(
+                "llama.cpp's logprobs of the same tokens, decode batches of 8 against up to 32 sequences: "
+                + ", ".join(f"{fmt} {shift:.5f}" for fmt, shift in r["batch_dependence"].items())
+                + " nats/token"
+            )
         Console().print(
             f"verifying one group of {group_size} took {r['seconds_per_group_checked']:.3f} s "
             f"({r['tokens_per_group']:.0f} tokens); caught: d > {tolerance}, m > {draw_tolerance} "
             f"or o > {off_draw_tolerance}"
         )
     return result
+
+
+def logprob_shift(a: list[list], b: list[list]) -> float:
+    """Mean |log mu_a - log mu_b| over the tokens two generations of the same groups share (each completion's
+    common prefix: the same draws give the same tokens until the logprobs move a token across a border)."""
+    import numpy as np
+
+    diffs: list[float] = []
+    for group_a, group_b in zip(a, b, strict=True):
+        for x, y in zip(group_a, group_b, strict=True):
+            n = 0
+            while n < min(len(x.tokens), len(y.tokens)) and x.tokens[n] == y.tokens[n]:
+                n += 1
+            diffs += list(np.abs(np.array(x.logprobs[:n]) - np.array(y.logprobs[:n])))
+    return round(float(np.mean(diffs)), 5) if diffs else 0.0
 
 
 def _verify_row(replays: list, tolerance: float, draw_tolerance: float, off_draw_tolerance: float) -> dict:

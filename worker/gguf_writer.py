@@ -29,6 +29,16 @@ def permute_for_llamacpp(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def unpermute_from_llamacpp(hf_name: str, array: np.ndarray, spec: ModelSpec) -> np.ndarray:
+    """for_llamacpp's inverse: Q/K rows from llama.cpp's interleaved RoPE layout back to HF's."""
+    heads = {".self_attn.q_proj.": spec.num_heads, ".self_attn.k_proj.": spec.num_kv_heads}
+    for part, n_heads in heads.items():
+        if part in hf_name:
+            rows = array.shape[0]
+            return array.reshape(n_heads, rows // n_heads // 2, 2, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
+    return array
+
+
 def unsupported_by_writer(spec: ModelSpec) -> str | None:
     """What of `spec`'s model this writer cannot write (None: nothing): a model neither the llama layout nor
     the learner's recipe covers."""
