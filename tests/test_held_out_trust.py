@@ -160,3 +160,25 @@ def test_the_report_leaves_revoked_figures_out():
     ]
     assert [(v, e.get("figure")) for v, e in evaluations(rows + resumed)] == [(0, 3), (4, None)]
     assert [(v, e.get("figure")) for v, e in evaluations(rows[:2] + resumed)] == [(0, 1), (2, 2)]
+
+
+def test_an_evaluation_answer_sent_again_gets_the_same_reply_and_counts_once(held_out):
+    """A worker that lost the reply to its evaluation answer (a connection cut on the way back) sends the same
+    answer again: the learner's intake gives it the same reply, not a penalty, and the answer counts once."""
+    from learner.orchestrate.intake import PromptBook, RolloutIntake
+    from learner.tasks import make_task
+
+    tiny, cfg, _, honest = held_out
+    evals = board(held_out, {"a": VERSION, "b": VERSION})
+    # only the evaluation path is taken: the training side's collaborators are not needed
+    intake = RolloutIntake(cfg, held_out_vocab(evals), PromptBook(make_task("arithmetic"), tiny, 0), None, None,
+                    evals.verifier, None, None, None, None)  # fmt: skip
+    intake.evals = evals
+    grant = evals.offer("a", VERSION)
+    wire = [GroupSubmission(r.group, g) for r, g in zip(grant.requests, honest, strict=True)]
+    msg = RolloutSubmission(grant.id, VERSION, wire).to_wire()
+    worker = WorkerRecord("a")
+    first = intake.submit(worker, msg)
+    again = [intake.submit(worker, msg) for _ in range(2)]
+    assert first.accepted == 16 and again == [first, first] and worker.refused == 0
+    assert len(evals.round.answers) == 1

@@ -19,6 +19,7 @@ import random
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import msgpack
 
@@ -100,8 +101,13 @@ class RolloutIntake:
     def submit(self, worker: WorkerRecord, msg: dict) -> RolloutReply:
         arrived = time.monotonic()  # the worker's lease time ends here, not after our own checks
         peer, cfg = worker.peer_id, self.cfg
-        if self.evals is not None and self.evals.holds(msg.get("lease")):
-            return self._take_evaluation(worker, msg)
+        lease_id = msg.get("lease")
+        digest = hashlib.sha256(msgpack.packb(msg)).digest()  # a resend is the same submission, byte for byte
+        if self.evals is not None and isinstance(lease_id, int):
+            if (resend := self._resent(lease_id, peer, digest)) is not None:  # its lease is gone: not holds()
+                return resend
+            if self.evals.holds(lease_id):
+                return self._answer_once(lease_id, peer, digest, lambda: self._take_evaluation(worker, msg))
         try:
             submission = RolloutSubmission.from_wire(
                 msg, cfg.grpo.group_size, completion_tokens(cfg), self.vocab_size,
@@ -113,7 +119,6 @@ class RolloutIntake:
             raise
         if peer in self.verifier.flagged:
             raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
-        digest = hashlib.sha256(msgpack.packb(msg)).digest()
         resend = self._resent(submission.lease, peer, digest)
         if resend is not None:
             return resend
@@ -122,26 +127,35 @@ class RolloutIntake:
         except LeaseError as exc:  # a replay or someone else's lease is an offence; a late one is not
             worker.refused += 1
             raise (Misbehaviour if exc.reason in ("duplicate", "not_owner") else BadRequest)(str(exc)) from None
+
+        def take() -> RolloutReply:
+            try:
+                return self._take(worker, lease, submission, arrived)
+            except BaseException as exc:  # refused, or our own failure (a full disk): its prompts go out again
+                if isinstance(exc, BadRequest):
+                    worker.refused += 1
+                self.leases.release(lease)
+                raise
+
+        return self._answer_once(lease.lease_id, peer, digest, take)
+
+    def _answer_once(self, lease_id: int, peer: str, digest: bytes, take: Callable[[], RolloutReply]) -> RolloutReply:
+        """take() the submission `peer` sent for `lease_id`, keeping the reply: the same submission sent again
+        (its worker never saw our answer: a connection lost on the way back) gets it again (_resent)."""
         done = threading.Event()
         with self._lock:
-            self._checking[lease.lease_id] = (peer, digest, done)
+            self._checking[lease_id] = (peer, digest, done)
         try:
-            reply = self._take(worker, lease, submission, arrived)
-        except BaseException as exc:  # refused, or our own failure (a full disk): its prompts go out again
-            if isinstance(exc, BadRequest):
-                worker.refused += 1
-            self.leases.release(lease)
-            raise
-        else:
+            reply = take()
             with self._lock:
-                self._answered[lease.lease_id] = (peer, digest, reply)
+                self._answered[lease_id] = (peer, digest, reply)
                 while len(self._answered) > ANSWERED_KEPT:
                     self._answered.popitem(last=False)
+            return reply
         finally:
             with self._lock:
-                self._checking.pop(lease.lease_id, None)
+                self._checking.pop(lease_id, None)
             done.set()
-        return reply
 
     def _resent(self, lease_id: int, peer: str, digest: bytes) -> RolloutReply | None:
         """Our reply to the submission `peer` sent for `lease_id` if this is the same one sent again (waiting
