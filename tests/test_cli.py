@@ -104,6 +104,16 @@ def test_objectives_and_corrections_train_a_run(tmp_path, options):
     assert weights_moved(tmp_path / "R")
 
 
+def test_a_reasoning_gym_task_trains_colocated(tmp_path):
+    res = start(tmp_path / "R", "--task", "reasoning-gym:basic_arithmetic", "--task-args", "min_terms=2",
+                "--steps", "2", "--max-new-tokens", "8")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    ms = metrics(tmp_path / "R")
+    assert len(ms) == 2 and all(0.0 <= m["reward_mean"] <= 1.0 and m["tokens"] > 0 for m in ms)
+    res = start(tmp_path / "bad", "--task", "reasoning-gym:basic_arithmetic", "--task-args", "min_terms=0")
+    assert res.returncode != 0 and "min_terms must be positive" in res.stderr and "Traceback" not in res.stderr
+
+
 def test_transformers_engine_runs(tmp_path):
     args = ["--engine", "transformers", "--steps", "1", "--prompts-per-step", "1", "--group-size", "2"]
     res = start(tmp_path / "hf", *args, "--max-new-tokens", "8")

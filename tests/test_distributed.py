@@ -208,3 +208,15 @@ def test_lora_run_ships_only_adapters_to_remote_workers(swarm):
     for w in workers:
         w.send_signal(signal.SIGTERM)
     assert [w.wait(60) for w in workers] == [0, 0]
+
+
+def test_a_reasoning_gym_task_trains_through_a_worker(swarm):
+    """A reasoning-gym generator is a task like the built-in ones: the learner draws and scores its problems,
+    a worker only completes prompts."""
+    args = ["--task", "reasoning-gym:basic_arithmetic", "--task-args", "min_terms=2", "--task-args", "max_terms=2"]
+    learner = swarm.learner("--steps", "2", "--max-new-tokens", "8", *args)
+    swarm.worker("w1")
+    assert swarm.wait(learner, 240) == 0, swarm.log("learner")[-3000:]
+    metrics = swarm.metrics()
+    assert len(metrics) == 2 and metrics[-1]["groups_accepted"] > 0 and metrics[-1]["groups_dropped_flagged"] == 0
+    assert "Traceback" not in swarm.log("learner") and "Traceback" not in swarm.log("w1")

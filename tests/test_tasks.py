@@ -191,3 +191,46 @@ def test_a_task_too_small_for_a_split_says_so():
     tiny = split_task(make_task("arithmetic", {"max_value": 0, "ops": "+"}), "held_out")  # one problem: 0 + 0
     with pytest.raises(TaskError, match="too few distinct problems"):
         tiny.sample(random.Random(0))
+
+
+RG = "reasoning-gym:basic_arithmetic"
+
+
+def test_a_reasoning_gym_generator_is_a_seeded_task_scored_by_its_own_verifier():
+    task = make_task(RG, {"min_terms": 2, "max_terms": 3})
+    first, again = task.sample(random.Random(5)), task.sample(random.Random(5))
+    assert first.prompt == again.prompt and "<answer>" in first.prompt  # a function of the step's seed
+    assert len({task.sample(random.Random(i)).prompt for i in range(20)}) >= 15
+    right = f"Let me think. <answer>{first.answer['answer']}</answer>"
+    assert task.reward(right, first.answer) == 1.0
+    assert task.reward("<answer>not a number</answer>", first.answer) == 0.0
+    assert task.reward(str(first.answer["answer"]), first.answer) == 0.0  # the answer must be in the tags
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(max_size=300))
+def test_no_reasoning_gym_reward_raises_on_any_text(text):
+    task = make_task(RG)
+    assert 0.0 <= task.reward(text, task.sample(random.Random(0)).answer) <= 1.0
+
+
+@pytest.mark.parametrize(
+    "name, args, message",
+    [
+        ("reasoning-gym:basic_arithmetc", {}, "no dataset 'basic_arithmetc'; e.g. base_conversion, basic_arithmetic"),
+        (RG, {"bogus": 1}, "--task-args for reasoning-gym:basic_arithmetic: "),
+        (RG, {"min_terms": 0}, "min_terms must be positive"),
+    ],
+)
+def test_reasoning_gym_errors_name_the_problem(name, args, message):
+    with pytest.raises(TaskError, match=message.replace("(", r"\(")):
+        make_task(name, args)
+
+
+def test_a_reasoning_gym_task_has_a_held_out_split():
+    from learner.tasks.split import held_out, split_task
+
+    task = make_task(RG)
+    rng = random.Random(3)
+    assert not any(held_out(split_task(task, "train").sample(rng)) for _ in range(100))
+    assert all(held_out(split_task(task, "held_out").sample(rng)) for _ in range(10))

@@ -40,7 +40,7 @@ class TaskError(ValueError):
     """A task name or argument that cannot be used; the message says what is allowed."""
 
 
-TASK_NAMES = ("arithmetic", "countdown", "sokoban", "knights-knaves", "jsonl:PATH")
+TASK_NAMES = ("arithmetic", "countdown", "sokoban", "knights-knaves", "jsonl:PATH", "reasoning-gym:NAME")
 
 
 def make_task(name: str, args: dict[str, Any] | None = None) -> Task:
@@ -49,11 +49,14 @@ def make_task(name: str, args: dict[str, Any] | None = None) -> Task:
     from learner.tasks.countdown import CountdownTask
     from learner.tasks.jsonl import JsonlTask
     from learner.tasks.knights_knaves import KnightsKnavesTask
+    from learner.tasks.reasoning_gym_task import ReasoningGymTask
     from learner.tasks.sokoban import SokobanTask
 
     args = dict(args or {})
     if name.startswith("jsonl:"):
         return JsonlTask(name.removeprefix("jsonl:"), **_checked(JsonlTask, name, args))
+    if name.startswith("reasoning-gym:"):  # its generator's own config fields, checked by the generator
+        return ReasoningGymTask(name.removeprefix("reasoning-gym:"), **args)
     classes = {
         "arithmetic": ArithmeticTask,
         "countdown": CountdownTask,
