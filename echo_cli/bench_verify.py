@@ -79,13 +79,17 @@ def run_verify_bench(
     from learner.tasks import make_task
     from learner.train.models import load_policy, model_spec
     from learner.train.wire_weights import wire_tensors
+    from p2p.config import ConfigError
     from p2p.messages import GenerationRequest, SamplingParams
     from p2p.weights import to_float32
     from worker.engines.llamacpp import LlamaCppEngine
+    from worker.gguf_writer import unsupported_by_llama_layout
     from worker.quantize import dequantized_weights, quantize_gguf, tensor_types
 
     policy = load_policy(model, cache_dir)
     spec = model_spec(policy)
+    if quants and (reason := unsupported_by_llama_layout(spec)):  # before the hours of the other rows
+        raise ConfigError(f"--quant reads quantized weights back in the llama layout only, not {reason}")
     task = make_task("arithmetic")
     rng = random.Random(0)
     prompt_ids = [policy.render_prompt(task.sample(rng).prompt) for _ in range(prompts)]

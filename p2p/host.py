@@ -435,24 +435,22 @@ class Host:
         network = self._host.get_network()
         return self._run_sync(lambda: {p.to_base58() for p in list(network.connections) if self._direct(p)})
 
-    def _relayed(self, peer_id: ID) -> list[Any]:
-        """Our live relayed connections to `peer_id`."""
-        relayed = []
-        for conn in self._host.get_network().get_connections(peer_id):
-            if conn is not None and not getattr(conn, "is_closed", False):
-                with contextlib.suppress(Exception):
-                    if any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses()):
-                        relayed.append(conn)
-        return relayed
-
-    def _direct(self, peer_id: ID) -> bool:
+    def _live(self, peer_id: ID) -> list[tuple[Any, bool]]:
+        """Our live connections to `peer_id`, each with whether it is relayed (a /p2p-circuit address)."""
+        live = []
         for conn in self._host.get_network().get_connections(peer_id):
             if conn is None or getattr(conn, "is_closed", False):
                 continue
             with contextlib.suppress(Exception):
-                if not any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses()):
-                    return True
-        return False
+                live.append((conn, any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses())))
+        return live
+
+    def _relayed(self, peer_id: ID) -> list[Any]:
+        """Our live relayed connections to `peer_id`."""
+        return [conn for conn, relayed in self._live(peer_id) if relayed]
+
+    def _direct(self, peer_id: ID) -> bool:
+        return any(not relayed for _, relayed in self._live(peer_id))
 
     def watch_requests(self, watcher: Callable[[str], None]) -> None:
         """Have `watcher(peer_id)` called for every request that passed the gate (before its handler runs),

@@ -234,3 +234,45 @@ def test_a_reasoning_gym_task_has_a_held_out_split():
     rng = random.Random(3)
     assert not any(held_out(split_task(task, "train").sample(rng)) for _ in range(100))
     assert all(held_out(split_task(task, "held_out").sample(rng)) for _ in range(10))
+
+
+def test_reasoning_gym_generators_that_would_run_a_workers_text_are_refused():
+    """Several generators' own scorers eval() the answer or parse it with sympy: a worker's text would run as
+    code on the learner. Only generators scored by the base string comparison are allowed."""
+    with pytest.raises(TaskError, match="reasoning-gym:countdown is not allowed: it scores answers with its own"):
+        make_task("reasoning-gym:countdown")
+    with pytest.raises(TaskError, match="not reproducible from their seed"):
+        make_task("reasoning-gym:list_functions")
+
+
+def test_every_allowed_reasoning_gym_generator_is_reproducible_from_its_seed(tmp_path):
+    """The same seed gives the same question in another process with another hash seed (a resumed run, the
+    held-out split), and scoring a hostile answer runs nothing."""
+    import os
+    import subprocess
+    import sys
+
+    from learner.tasks.reasoning_gym_task import allowed_generators
+
+    script = (
+        "import json, random, sys\n"
+        "from learner.tasks.reasoning_gym_task import allowed_generators\n"
+        "from learner.tasks import make_task\n"
+        "out = {}\n"
+        "for name in allowed_generators():\n"
+        "    task = make_task('reasoning-gym:' + name)\n"
+        "    p = task.sample(random.Random(7))\n"
+        "    task.reward(\"<answer>open(sys.argv[1], 'w').write('x')</answer>\", p.answer)\n"
+        "    out[name] = p.prompt\n"
+        "print('RESULT' + json.dumps(out))\n"
+    )  # fmt: skip
+    marker = tmp_path / "ran"
+    runs = [
+        subprocess.run([sys.executable, "-c", script, str(marker)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout  # fmt: skip
+        for seed in ("1", "2")
+    ]
+    first, second = (json.loads(r.rsplit("RESULT", 1)[1]) for r in runs)  # some generators print progress
+    assert set(first) == set(allowed_generators()) and len(first) >= 25
+    assert {n for n in first if first[n] != second[n]} == set()
+    assert not marker.exists()

@@ -102,12 +102,13 @@ class RolloutIntake:
         arrived = time.monotonic()  # the worker's lease time ends here, not after our own checks
         peer, cfg = worker.peer_id, self.cfg
         lease_id = msg.get("lease")
+        if peer in self.verifier.flagged:
+            raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
         digest = hashlib.sha256(msgpack.packb(msg)).digest()  # a resend is the same submission, byte for byte
-        if self.evals is not None and isinstance(lease_id, int):
-            if (resend := self._resent(lease_id, peer, digest)) is not None:  # its lease is gone: not holds()
-                return resend
-            if self.evals.holds(lease_id):
-                return self._answer_once(lease_id, peer, digest, lambda: self._take_evaluation(worker, msg))
+        if isinstance(lease_id, int) and (resend := self._resent(lease_id, peer, digest)) is not None:
+            return resend  # (an evaluation's lease is gone once answered: evals.holds() would say no)
+        if self.evals is not None and self.evals.holds(lease_id):
+            return self._answer_once(lease_id, peer, digest, lambda: self._take_evaluation(worker, msg))
         try:
             submission = RolloutSubmission.from_wire(
                 msg, cfg.grpo.group_size, completion_tokens(cfg), self.vocab_size,
@@ -117,11 +118,6 @@ class RolloutIntake:
             worker.refused += 1
             self._give_back(peer, msg.get("lease"))  # junk must not hold prompt groups until the lease times out
             raise
-        if peer in self.verifier.flagged:
-            raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
-        resend = self._resent(submission.lease, peer, digest)
-        if resend is not None:
-            return resend
         try:  # closing the lease first makes a replay, even a concurrent one, a duplicate before any work
             lease = self.leases.complete(submission.lease, peer)
         except LeaseError as exc:  # a replay or someone else's lease is an offence; a late one is not
@@ -154,7 +150,8 @@ class RolloutIntake:
             return reply
         finally:
             with self._lock:
-                self._checking.pop(lease_id, None)
+                if self._checking.get(lease_id, (None, None, None))[2] is done:  # another's may have replaced it
+                    del self._checking[lease_id]
             done.set()
 
     def _resent(self, lease_id: int, peer: str, digest: bytes) -> RolloutReply | None:
