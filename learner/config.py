@@ -136,7 +136,7 @@ class GRPOConfig:
     mismatch_high: float = 2.0
     """icepop: tokens with rho above this are dropped; seq_mask: the same for a sequence's geometric mean."""
     minibatches: int = 1
-    """Optimizer updates per step, each on its share of the batch (decoupled needs >= 2 for its clip to bind)."""
+    """Optimizer updates per step, each on its share of the batch (decoupled/gspo/cispo clip from the 2nd)."""
     beta: float = 0.0
     """Weight of the KL penalty to the initial policy (0 = no reference model kept)."""
     max_grad_norm: float = 1.0
