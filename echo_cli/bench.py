@@ -152,7 +152,7 @@ def run_engines_bench(
         engine = make_engine(engine_name, str(work), threads, max_batch, gpu_layers, device)
         engine.load_policy(spec, tensors)
         for fmt in ("f16", *quants) if engine_name == "llamacpp" else (None,):
-            row = {"engine": name if fmt is None else f"{name} {fmt}"}
+            row = {"engine": name if fmt in (None, "f16") else f"{name} {fmt}"}  # F16: the engine as it runs
             if fmt not in (None, "f16"):
                 row["quantize_s"] = round(quantize_gguf(work / "policy.gguf", work / f"{fmt}.gguf", fmt, threads), 2)
                 engine.load_gguf(work / f"{fmt}.gguf", spec.eos_ids)

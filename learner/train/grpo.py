@@ -168,7 +168,7 @@ def truncated_is(log_rho: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
 @correction("mis")
 def masked_is(log_rho: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
     """Token-level masked importance sampling: w = rho where rho <= ratio_cap, else 0 (the token is dropped
-    rather than kept at the cap: a token the sampler was far likelier to draw says little about pi)."""
+    rather than kept at the cap: one the sampler drew far less readily than pi would is a mismatch, not data)."""
     rho = exp_ratio(log_rho)
     return torch.where(rho <= cfg.ratio_cap, rho, torch.zeros_like(rho))
 
