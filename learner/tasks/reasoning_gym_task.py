@@ -46,7 +46,7 @@ class ReasoningGymTask:
         try:
             import reasoning_gym
             from reasoning_gym.factory import DATASETS
-            from reasoning_gym.utils import SYSTEM_PROMPTS
+            from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
         except ImportError:
             raise TaskError(
                 f"--task reasoning-gym:{dataset} needs the reasoning-gym package: pip install 'echo-rl[reasoning-gym]'"
@@ -61,7 +61,7 @@ class ReasoningGymTask:
             raise TaskError(f"reasoning-gym:{dataset} is not allowed: {why}; allowed: {', '.join(allowed)}")
         self.name = f"reasoning-gym:{dataset}"
         self.dataset, self.config = dataset, config
-        self._create = reasoning_gym.create_dataset
+        self._create, self._extract = reasoning_gym.create_dataset, extract_answer
         self.instruction = SYSTEM_PROMPTS["default"]
         try:  # the config checked once, here, with a one-line error: an unknown field, a value out of range
             self.scorer = self._create(self.dataset, size=1, seed=0, **self.config)
@@ -75,10 +75,8 @@ class ReasoningGymTask:
         return Problem(f"{entry['question']}\n\n{self.instruction}", entry)
 
     def reward(self, completion: str, answer: Any) -> float:
-        from reasoning_gym.utils import extract_answer
-
         try:
-            return float(self.scorer.score_answer(extract_answer(completion), answer))
+            return float(self.scorer.score_answer(self._extract(completion), answer))
         except Exception as exc:  # noqa: BLE001 - a generator's verifier must not stop training
             log.warning("reasoning-gym:%s scoring failed (%s: %s); scoring 0", self.dataset, type(exc).__name__, exc)
             return 0.0

@@ -188,14 +188,12 @@ class GRPOTrainer:
         cfg, world = self.cfg, self.world
         device = model_device(self.model)  # every tensor of the step where the model is
         corrections = {}  # id(rollout) -> the correction's weights of its tokens [len_i], this rank's rollouts
-        if proximal is not None:
-            for r in (r for batch in passes for r in batch):
+        for r in (r for batch in passes for r in batch) if proximal is not None else ():
+            if r.advantage == 0.0:  # never dropped: no policy gradient (only the KL term), and so a skipped
+                corrections[id(r)] = torch.ones_like(proximal[id(r)])  # equal group counts as if trained
+            else:
                 behaviour = torch.tensor(sampled_logprobs(r), device=device)
                 corrections[id(r)] = correction_weights(proximal[id(r)], behaviour, cfg)
-        # a token with A = 0 is never dropped: it carries no policy gradient (only the KL term), and so a skipped
-        # equal-reward group, whose correction is not computed, counts as it would if it were trained
-        for r in (r for batch in passes for r in batch if r.advantage == 0.0 and id(r) in corrections):
-            corrections[id(r)] = torch.ones_like(corrections[id(r)])
         dropped_tokens, dropped_rollouts = world.sum(
             [sum(float((w == 0).sum()) for w in corrections.values()),
              sum(float(len(w) > 0 and bool((w == 0).all())) for w in corrections.values())]
