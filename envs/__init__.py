@@ -25,6 +25,7 @@ class Step:
     observation: str = ""  # shown to the model as the next user turn (rendered with its chat template)
     reward: float = 0.0  # this turn's reward; an episode's return is the sum over its turns
     done: bool = False  # the episode is over (the observation of the last step is never shown)
+    tool_results: tuple[str, ...] = ()  # the turn's tool calls' results, shown as tool messages instead (envs.tools)
 
 
 @runtime_checkable
@@ -47,17 +48,18 @@ class EnvError(ValueError):
     """An environment name, plugin spec or argument that cannot be used; the message says what is allowed."""
 
 
-ENV_NAMES = ("sokoban", "calculator", "kuhn-poker", "module:Class", "verifiers:ENV_ID")
+ENV_NAMES = ("sokoban", "calculator", "calculator-tools", "kuhn-poker", "module:Class", "verifiers:ENV_ID")
 
 EnvFactory = Callable[[], Environment]
 
 
 def builtin_envs() -> dict[str, type]:
-    from envs.calculator import CalculatorEnv
+    from envs.calculator import CalculatorEnv, CalculatorToolEnv
     from envs.kuhn_poker import KuhnPokerEnv
     from envs.sokoban import SokobanEnv
 
-    return {"sokoban": SokobanEnv, "calculator": CalculatorEnv, "kuhn-poker": KuhnPokerEnv}
+    return {"sokoban": SokobanEnv, "calculator": CalculatorEnv, "calculator-tools": CalculatorToolEnv,
+            "kuhn-poker": KuhnPokerEnv}  # fmt: skip
 
 
 def make_env(name: str, args: dict[str, Any] | None = None) -> EnvFactory:

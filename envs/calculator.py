@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from envs import EnvError, Step
+from envs.tools import ToolEnv
 
 MAX_EXPRESSION = 200  # characters
 MAX_NODES = 100  # syntax-tree nodes
@@ -123,12 +124,17 @@ class CalculatorEnv:
             raise EnvError("calculator: terms must be between 2 and 5")
         self.answer = 0
 
-    def reset(self, seed: int) -> str:
+    def draw(self, seed: int) -> str:
+        """The expression of episode `seed`; its value becomes the answer."""
         rng = random.Random(seed)
         numbers = [rng.randint(2, 10**self.digits - 1) for _ in range(self.terms)]
         ops = [rng.choice("+-*") for _ in range(self.terms - 1)]
         expr = str(numbers[0]) + "".join(f" {op} {n}" for op, n in zip(ops, numbers[1:], strict=True))
         self.answer = int(evaluate(expr)[0])
+        return expr
+
+    def reset(self, seed: int) -> str:
+        expr = self.draw(seed)
         return (
             f"What is {expr}? You have a calculator. To use it, reply with calc: and an expression, e.g. "
             f"calc: {expr}\nWhen you know the value, reply with the number."
@@ -144,6 +150,33 @@ class CalculatorEnv:
             return Step(f"calc: {result}", reward=-self.call_cost)
         answer = last_integer(action)
         return Step(reward=1.0 if answer == self.answer else 0.0, done=True)
+
+
+def calculate(expression: str) -> str:
+    """Compute an arithmetic expression exactly.
+
+    Args:
+        expression: integers, + - * / // % ** and parentheses, e.g. "12 * (3 + 4)"
+    """
+    try:
+        return show(evaluate(expression)[0])
+    except CalcError as exc:
+        return f"error: {exc}"
+
+
+@dataclass
+class CalculatorToolEnv(CalculatorEnv, ToolEnv):
+    """The calculator's problems with the calculator as a tool the model calls in its chat template's own
+    tool-call format (envs.tools): `calculate(expression)`. A turn without a call is the final answer (reward 1
+    if its last integer is the value, else 0); `call_cost` is subtracted per call."""
+
+    tools = (calculate,)
+
+    def reset(self, seed: int) -> str:
+        return f"What is {self.draw(seed)}? Use the calculate tool, then reply with the number."
+
+    def step(self, action: str) -> Step:
+        return Step(reward=1.0 if last_integer(action) == self.answer else 0.0, done=True)
 
 
 def last_integer(text: str) -> int | None:

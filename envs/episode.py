@@ -10,9 +10,10 @@ Rules both sides follow, so the learner's replay reaches the same episode from t
 - turn k (0-based) of episode j of group g samples at most min(turn_tokens, max_tokens - held) tokens,
   where held counts the episode's tokens so far; its draws are keyed (g, j, held + i) (p2p.draws);
 - a turn that is not cut by its budget ends with a stop token, and only there;
-- after each turn the environment steps on its text; the episode ends when the step says done, at the
-  max_turns-th turn, or when the next observation would not fit in max_tokens; otherwise the observation's
-  tokens (envs.chat.ChatFormat.observation_ids) follow and the next turn starts;
+- after each turn the environment steps on its text (step_env: a tool environment's calls go to its tools,
+  envs.tools); the episode ends when the step says done, at the max_turns-th turn, or when the next
+  observation would not fit in max_tokens; otherwise the observation's tokens (observation_ids) follow and
+  the next turn starts;
 - a step that raises (the environment's bug, not the worker's) ends the episode there with finish "error";
   the replay must raise at the same turn, and the learner trains on nothing of that group
   (learner.orchestrate.rollouts.score_groups).
@@ -29,8 +30,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from envs import EnvError, EnvFactory, EnvSpec, close_env, failure, make_env
+from envs import EnvError, EnvFactory, EnvSpec, Step, close_env, failure, make_env
 from envs.chat import ChatFormat
+from envs.tools import TOOL_FORMATS, ToolEnv
 from p2p.messages import Completion, GenerationRequest, SamplingParams, sampled_count
 
 Generate = Callable[[Sequence[GenerationRequest], SamplingParams], list[list[Completion]]]
@@ -159,7 +161,7 @@ def _after_turn(e: _Live, tokens: list[int], logprobs: list[float], rules: Episo
     record.spans.append(len(tokens))
     e.turns += 1
     try:
-        step = e.env.step(chat.decode(tokens))
+        step = step_env(e.env, tokens, chat)
         e.reward += step_reward(step.reward)
     except Exception as exc:  # noqa: BLE001 - the environment's failure ends its episode, as the replay will find
         e.error = f"turn {e.turns - 1}: {failure(exc)}"
@@ -169,13 +171,31 @@ def _after_turn(e: _Live, tokens: list[int], logprobs: list[float], rules: Episo
     if step.done:
         e.done, record.finish_reason = True, "stop"
         return
-    observation = chat.observation_ids(step.observation, tokens)
+    observation = observation_ids(step, tokens, chat)
     if e.turns >= spec.max_turns or len(record.tokens) + len(observation) >= spec.max_tokens:
         e.done, record.finish_reason = True, "length"
         return
     record.tokens += observation
     record.logprobs += [0.0] * len(observation)
     record.spans.append(len(observation))
+
+
+def step_env(env: object, turn: list[int], chat: ChatFormat) -> Step:
+    """Step `env` on a model turn: a tool environment's turn with calls (read in the run's tool format) runs
+    its tools, any other turn is the environment's step(text)."""
+    text = chat.decode(turn)
+    calls = TOOL_FORMATS[chat.tool_format](text) if isinstance(env, ToolEnv) else []
+    step = env.call_tools(calls) if calls else env.step(text)
+    if not isinstance(step.tool_results, tuple) or not all(isinstance(r, str) for r in step.tool_results):
+        raise EnvError("an environment's Step.tool_results must be a tuple of strings")
+    return step
+
+
+def observation_ids(step: Step, turn: list[int], chat: ChatFormat) -> list[int]:
+    """The tokens that follow model turn `turn`: the step's tool results as tool messages, or its observation."""
+    if step.tool_results:
+        return chat.tool_result_ids(step.tool_results, turn)
+    return chat.observation_ids(step.observation, turn)
 
 
 def step_reward(reward: object) -> float:
@@ -232,7 +252,7 @@ def _replay_turns(env: object, episode: Completion, rules: EpisodeRules) -> tupl
         held += len(turn)
         last = k == len(spans) - 1
         try:
-            step = env.step(chat.decode(turn))
+            step = step_env(env, turn, chat)
             reward += step_reward(step.reward)
         except Exception as exc:  # noqa: BLE001 - an environment's failure is part of the episode it ends
             if last and episode.finish_reason == "error":
@@ -247,7 +267,7 @@ def _replay_turns(env: object, episode: Completion, rules: EpisodeRules) -> tupl
             if episode.finish_reason != "stop":
                 raise ReplayError("the environment ended the episode; its finish must be 'stop'")
             break
-        observation = chat.observation_ids(step.observation, turn)
+        observation = observation_ids(step, turn, chat)
         if last:
             out_of_budget = k // 2 + 1 >= spec.max_turns or held + len(observation) >= spec.max_tokens
             if not out_of_budget:

@@ -54,7 +54,7 @@ def train_colocated(
             scored: list[list[Rollout]] = []
             for round_ in range(cfg.grpo.sampling_rounds if cfg.grpo.dynamic_sampling else 1):
                 problems = [task.sample(rng) for _ in range(cfg.grpo.prompts_per_step)]
-                prompts = [policy.render_prompt(p.prompt) for p in problems]
+                prompts = [policy.render_prompt(p.prompt, p.tools) for p in problems]
                 params = SamplingParams(
                     cfg.sampler.temperature,
                     cfg.sampler.top_p,

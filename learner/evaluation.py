@@ -107,7 +107,7 @@ class Evaluator:
 
     def requests(self) -> list[GenerationRequest]:
         """One greedy request per prompt, then one of k samples per prompt (group i: prompt i in both)."""
-        prompts = [self.policy.render_prompt(p.prompt) for p in self.problems]
+        prompts = [self.policy.render_prompt(p.prompt, p.tools) for p in self.problems]
         seeds = [p.answer if self.episodes else None for p in self.problems]  # an environment's episodes
         greedy = [GenerationRequest(prompts[i], 1, i, greedy=True, episode=seeds[i]) for i in range(len(prompts))]
         return greedy + [GenerationRequest(prompts[i], self.samples, i, episode=seeds[i]) for i in range(len(prompts))]

@@ -69,17 +69,22 @@ $PIP install -q -e ".[learner,worker,dev]"
 # llama.cpp commit): the learner maps each model family's tensors to GGUF with it (learner/train/gguf_recipe.py).
 # Its gguf-py replaces PyPI's gguf of the same version number, whose tensor maps are older.
 # gguf-py is kept apart: the converter puts a gguf-py folder beside it first on sys.path, with its tests package.
+# The released models' chat templates that llama.cpp tests its chat parsers on go beside them: the tests render
+# tool calls with Qwen3's, Llama 3.1's, Mistral's ... own templates (tests/test_tools.py).
 CONVERT=$VENV/share/llama.cpp-convert
 GGUF_PY=$VENV/share/llama.cpp-gguf-py
-if [ ! -f "$CONVERT/.from-0.3.36" ] || [ ! -d "$GGUF_PY" ]; then
+TEMPLATES=$VENV/share/llama.cpp-templates
+if [ ! -f "$CONVERT/.from-0.3.36" ] || [ ! -d "$GGUF_PY" ] || [ ! -d "$TEMPLATES" ]; then
     echo "setup: unpacking llama.cpp's converter (llama-cpp-python 0.3.36 sdist)"
     tmp=$(mktemp -d)
     $PIP download -q --no-binary :all: --no-deps "llama-cpp-python==0.3.36" -d "$tmp"
     tar xzf "$tmp/llama_cpp_python-0.3.36.tar.gz" -C "$tmp" --wildcards \
-        '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*'
-    rm -rf "$CONVERT" "$GGUF_PY" && mkdir -p "$CONVERT"
+        '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*' \
+        '*/vendor/llama.cpp/models/templates/*'
+    rm -rf "$CONVERT" "$GGUF_PY" "$TEMPLATES" && mkdir -p "$CONVERT"
     cp -r "$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp/"{convert_hf_to_gguf.py,conversion} "$CONVERT/"
     cp -r "$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py" "$GGUF_PY"
+    cp -r "$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates" "$TEMPLATES"
     rm -rf "$tmp"
     touch "$CONVERT/.from-0.3.36"
 fi

@@ -61,7 +61,7 @@ class PromptBook:
         with self._lock:
             if group_id not in self._problems:
                 problem = self.task.sample(random.Random(step_seed(self.seed, group_id)))
-                self._problems[group_id] = (problem, self.policy.render_prompt(problem.prompt))
+                self._problems[group_id] = (problem, self.policy.render_prompt(problem.prompt, problem.tools))
             return self._problems[group_id]
 
     def request(self, group_id: int, group_size: int) -> GenerationRequest:

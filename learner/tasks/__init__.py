@@ -26,6 +26,7 @@ class Problem:
 
     prompt: str
     answer: Any
+    tools: tuple[dict, ...] = ()  # JSON schemas of a tool environment's tools, offered in the prompt (envs.tools)
 
 
 class Task(Protocol):

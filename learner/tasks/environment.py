@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from envs import EnvError, failure, first_message
+from transformers.utils import get_json_schema
+
+from envs import EnvError, close_env, failure, first_message
 from envs.episode import EpisodeRules
+from envs.tools import ToolEnv
 from learner.tasks import Problem, Task
 
 START_TRIES = 20  # seeds in a row whose reset() may raise before sampling gives up
@@ -25,6 +28,10 @@ class EnvironmentTask:
     """Episodes of `episodes.spec.name`: `sample` draws a 63-bit seed and resets a fresh environment with it."""
 
     episodes: EpisodeRules
+    tools: tuple[dict, ...] = field(init=False)  # a tool environment's tools as JSON schemas, for every prompt
+
+    def __post_init__(self) -> None:
+        self.tools = tool_schemas(self.episodes)
 
     @property
     def name(self) -> str:
@@ -36,7 +43,7 @@ class EnvironmentTask:
         for _ in range(START_TRIES):
             seed = rng.getrandbits(63)
             try:
-                return Problem(first_message(self.episodes.make_env, seed), seed)
+                return Problem(first_message(self.episodes.make_env, seed), seed, self.tools)
             except Exception as exc:  # noqa: BLE001 - any failure of the environment's own code
                 error = failure(exc)
                 log.warning("environment %s failed to start episode %d (%s); drawing another", self.name, seed, error)
@@ -44,6 +51,25 @@ class EnvironmentTask:
 
     def reward(self, completion: str, answer: Any) -> float:
         raise TypeError("an environment's reward comes from replaying its episodes (envs.episode.replay_episode)")
+
+
+def tool_schemas(episodes: EpisodeRules) -> tuple[dict, ...]:
+    """The JSON schemas of a tool environment's tools (transformers reads each function's type hints and
+    Google-style docstring); () for another environment."""
+    env = episodes.make_env()
+    try:
+        tools = env.tools if isinstance(env, ToolEnv) else ()
+        schemas = []
+        for tool in tools:
+            try:
+                schemas.append(get_json_schema(tool))
+            except Exception as exc:  # noqa: BLE001 - transformers' own exception types, shown in one line
+                name = getattr(tool, "__name__", tool)
+                raise EnvError(f"environment {episodes.spec.name!r}: tool {name!r} needs type hints and a docstring "
+                               f"with an Args section ({failure(exc)})") from None  # fmt: skip
+        return tuple(schemas)
+    finally:
+        close_env(env)
 
 
 def episode_rules(task: Task) -> EpisodeRules | None:

@@ -30,6 +30,7 @@ from transformers import (
 
 from envs.chat import ChatFormat, think_ids, without_thinking
 from learner.config import ModelConfig
+from learner.train.chat_templates import render_user_turn, tool_format, tool_frame
 from learner.train.lora import add_lora
 from p2p.messages import ModelSpec, is_adapter
 
@@ -65,12 +66,16 @@ class Policy:
     lora_alpha: float = 0.0
     gguf_recipe: str | None = None  # learner.train.gguf_recipe's JSON, worked out once (model_spec)
 
-    def render_prompt(self, user_text: str) -> list[int]:
-        """Render one user turn with the chat template and return its token ids."""
-        text = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": user_text}], tokenize=False, add_generation_prompt=True
-        )
+    def render_prompt(self, user_text: str, tools: tuple[dict, ...] = ()) -> list[int]:
+        """Render one user turn with the chat template, offering `tools` (JSON schemas of a tool environment's
+        functions: learner.train.chat_templates), and return its token ids."""
+        text = render_user_turn(self.tokenizer, user_text, tools, self.tool_format[1])
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @functools.cached_property
+    def tool_format(self) -> tuple[str, bool]:
+        """(how the model writes tool calls, whether its chat template writes the tools: chat_templates)."""
+        return tool_format(self.tokenizer)
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -364,4 +369,7 @@ def chat_format(policy: Policy) -> ChatFormat:
         )
     between = text[text.index(model) + len(model) : text.index(observation)]
     after = text[text.index(observation) + len(observation) :]
-    return ChatFormat(policy.tokenizer.backend_tokenizer.to_str(), between, after, tuple(eos_ids(policy)))
+    # the template's tool messages where its tool section is used; else results in a user turn (envs.chat)
+    frame, tool_json = tool_frame(policy.tokenizer) if policy.tool_format[1] else (None, False)
+    return ChatFormat(policy.tokenizer.backend_tokenizer.to_str(), between, after, tuple(eos_ids(policy)),
+                      policy.tool_format[0], frame, tool_json)  # fmt: skip

@@ -1,0 +1,188 @@
+"""Tool calling: Python functions an environment offers, the model's calls read in its chat template's format,
+and their results shown back to it as tool messages.
+
+A tool environment (ToolEnv) lists `tools`: plain functions with type hints and a Google-style docstring.
+The learner renders their JSON schemas into the first prompt with the model's own chat template, which also
+tells the model how to call them (learner.train.chat_templates); a template without a tool section gets
+GENERIC_INSTRUCTIONS in the first user message and the Hermes format. After each model turn the episode runner
+(envs.episode.step_env) reads the turn's calls with the run's TOOL_FORMATS parser: a turn with calls gets the
+tools' results as the next observation (written as the template writes tool messages: envs.chat), a turn
+without calls is the answer (ToolEnv.step). A call that cannot be run (bad JSON, an unknown tool, wrong
+arguments, a tool that raised) is the model's mistake: its result says so, and the episode goes on.
+
+The learner replays an episode by parsing the same text the same way and calling the same tools, so a tool
+must be deterministic: the same arguments always give the same result. Every bound here keeps one call cheap
+whatever a model (or a worker claiming its turns) writes: MAX_CALLS per turn, MAX_RESULT characters of a
+result, JSON nested at most MAX_DEPTH deep. A tool bounds its own work (envs.calculator's evaluator does).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from envs import Step, failure
+
+MAX_CALLS = 8  # tool calls read from one model turn; more are refused in one result
+MAX_RESULT = 4000  # characters of one result shown to the model
+MAX_DEPTH = 16  # nesting of a call's JSON
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model wrote: a tool's name and its arguments, or why it cannot be read (`error`)."""
+
+    name: str
+    arguments: dict[str, Any]
+    error: str | None = None
+
+
+def _calls_from_json(blobs: list[str], args_key: str) -> list[ToolCall]:
+    """Calls from JSON objects {"name": ..., args_key: {...}} (the arguments may also be a JSON string)."""
+    calls = []
+    for blob in blobs[: MAX_CALLS + 1]:
+        try:
+            value = json.loads(blob)
+        except (ValueError, RecursionError):
+            calls.append(ToolCall("", {}, "the call is not valid JSON"))
+            continue
+        args = value.get(args_key, value.get("arguments", {})) if isinstance(value, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except (ValueError, RecursionError):
+                args = None
+        name = value.get("name") if isinstance(value, dict) else None
+        if not isinstance(name, str) or not isinstance(args, dict) or _depth(args) > MAX_DEPTH:
+            calls.append(ToolCall("", {}, f'a call is a JSON object {{"name": "<tool>", "{args_key}": {{...}}}}'))
+        else:
+            calls.append(ToolCall(name[:100], args))
+    return calls
+
+
+def _depth(value: object, level: int = 0) -> int:
+    if level > MAX_DEPTH:
+        return level
+    if isinstance(value, dict):
+        return max((_depth(v, level + 1) for v in value.values()), default=level + 1)
+    if isinstance(value, list):
+        return max((_depth(v, level + 1) for v in value), default=level + 1)
+    return level
+
+
+_HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+def parse_hermes(text: str) -> list[ToolCall]:
+    """Hermes / Qwen2.5 / Qwen3: each call a JSON object {"name", "arguments"} between <tool_call> and
+    </tool_call> (an unclosed last one counts: the turn may stop right after its JSON)."""
+    return _calls_from_json([m.group(1).strip() for m in _HERMES.finditer(text)], "arguments")
+
+
+def parse_llama3_json(text: str) -> list[ToolCall]:
+    """Llama 3.1-3.3 (custom tools): the whole answer is a JSON object {"name", "parameters"}, or several
+    separated by ";". An answer that does not start with "{" is not a call."""
+    text, blobs, at = text.strip(), [], 0
+    if not text.startswith("{"):
+        return []
+    decoder = json.JSONDecoder()
+    while at < len(text) and len(blobs) <= MAX_CALLS:
+        try:
+            _, end = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            blobs.append(text[at:])  # the rest is not JSON: one malformed call
+            break
+        blobs.append(text[at:end])
+        at = len(text) - len(text[end:].lstrip().removeprefix(";").lstrip())  # past the ";" between calls
+    return _calls_from_json(blobs, "parameters")
+
+
+TOOL_FORMATS: dict[str, Callable[[str], list[ToolCall]]] = {
+    "hermes": parse_hermes,
+    "llama3_json": parse_llama3_json,
+}
+GENERIC_FORMAT = "hermes"  # the format of GENERIC_INSTRUCTIONS, for templates without a tool section
+
+GENERIC_INSTRUCTIONS = """You can call these tools, described as JSON schemas:
+<tools>
+{tools}
+</tools>
+To call a tool, write a JSON object with its name and arguments between <tool_call> and </tool_call>, e.g.
+<tool_call>
+{{"name": "{example}", "arguments": {{...}}}}
+</tool_call>
+Each result comes back in <tool_response></tool_response>. When you have the answer, reply without a call."""
+
+
+def generic_instructions(schemas: list[dict]) -> str:
+    """How to call `schemas`' tools, for a first user message whose chat template has no tool section."""
+    tools = "\n".join(json.dumps(s, ensure_ascii=False) for s in schemas)
+    example = schemas[0].get("function", {}).get("name", "tool") if schemas else "tool"
+    return GENERIC_INSTRUCTIONS.format(tools=tools, example=example)
+
+
+_JSON_TYPES: dict[Any, tuple[type, ...]] = {str: (str,), int: (int,), float: (int, float), bool: (bool,),
+                                            list: (list,), dict: (dict,)}  # fmt: skip
+
+
+class ToolEnv:
+    """An Environment whose model may call `tools` before it answers (see the module docstring).
+
+    A subclass sets `tools` (functions with type hints and Google-style docstrings: their JSON schemas come
+    from them), implements reset(seed) and step(answer) -> Step (the turn without calls: usually done, with
+    the reward), and may set `call_cost`, subtracted from the return per call (0: tools are free)."""
+
+    tools: tuple[Callable[..., Any], ...] = ()
+    call_cost: float = 0.0
+
+    def reset(self, seed: int) -> str:
+        raise NotImplementedError
+
+    def step(self, action: str) -> Step:
+        raise NotImplementedError
+
+    def call_tools(self, calls: list[ToolCall]) -> Step:
+        """Run the turn's calls in order; the observation is their results, one tool message each."""
+        if len(calls) > MAX_CALLS:
+            return Step(tool_results=(f"error: at most {MAX_CALLS} tool calls per turn",), reward=-self.call_cost)
+        results = tuple(self._call(call)[:MAX_RESULT] for call in calls)
+        return Step(tool_results=results, reward=-self.call_cost * len(calls))
+
+    def _call(self, call: ToolCall) -> str:
+        if call.error:
+            return f"error: {call.error}"
+        tools = {tool.__name__: tool for tool in self.tools}
+        tool = tools.get(call.name)
+        if tool is None:
+            return f"error: there is no tool {call.name!r}; the tools are {', '.join(tools)}"
+        problem = _argument_problem(tool, call.arguments)
+        if problem:
+            return f"error: {problem}"
+        try:
+            result = tool(**call.arguments)
+        except Exception as exc:  # noqa: BLE001 - a tool's failure on the model's input is the model's to see
+            return f"error: {failure(exc)}"
+        return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+
+
+def _argument_problem(tool: Callable[..., Any], arguments: dict[str, Any]) -> str | None:
+    """Why `arguments` do not fit `tool`'s signature (a missing or unknown name, a value of the wrong JSON
+    type), or None."""
+    params = inspect.signature(tool, eval_str=True).parameters
+    unknown = sorted(set(arguments) - set(params))
+    if unknown:
+        return f"{tool.__name__} has no argument {unknown[0][:40]!r}; its arguments are {', '.join(params)}"
+    for name, param in params.items():
+        if name not in arguments:
+            if param.default is inspect.Parameter.empty:
+                return f"{tool.__name__} needs the argument {name!r}"
+            continue
+        types = _JSON_TYPES.get(param.annotation)
+        value = arguments[name]
+        if types and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
+            return f"{tool.__name__}'s argument {name!r} must be a {param.annotation.__name__}"
+    return None
