@@ -79,6 +79,13 @@ class ChatFormat:
         """A model turn as the environment reads it: its answer (without_thinking), special tokens removed."""
         return self.tokenizer.decode(without_thinking(tokens, self.think), skip_special_tokens=True)
 
+    def decode_calls(self, tokens: list[int]) -> str:
+        """A model turn as tool calls are read from it (envs.tools): its answer with special tokens kept (a
+        call's markers may be special tokens), less the stop token that ended it."""
+        answer = without_thinking(tokens, self.think)
+        answer = answer[:-1] if answer and answer[-1] in self.stop_ids else answer
+        return self.tokenizer.decode(answer, skip_special_tokens=False)
+
     @cached_property
     def think(self) -> tuple[int, int] | None:
         return think_ids(self.tokenizer.token_to_id)
@@ -134,7 +141,7 @@ class ChatFormat:
         tool_format, frame, tool_json = msg.get("tool_format"), msg.get("tool_frame"), msg.get("tool_json")
         from envs.tools import TOOL_FORMATS
 
-        if tool_format not in TOOL_FORMATS or not isinstance(tool_json, bool):
+        if not isinstance(tool_format, str) or tool_format not in TOOL_FORMATS or not isinstance(tool_json, bool):
             raise EnvError(f"the run's chat format needs tool_format, one of {', '.join(TOOL_FORMATS)}, and tool_json")
         if frame is not None and not (
             isinstance(frame, list) and len(frame) == 3 and all(isinstance(f, str) for f in frame)

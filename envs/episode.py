@@ -12,8 +12,8 @@ Rules both sides follow, so the learner's replay reaches the same episode from t
 - a turn that is not cut by its budget ends with a stop token, and only there;
 - after each turn the environment steps on its text (step_env: a tool environment's calls go to its tools,
   envs.tools); the episode ends when the step says done, at the max_turns-th turn, or when the next
-  observation would not fit in max_tokens; otherwise the observation's tokens (observation_ids) follow and
-  the next turn starts;
+  observation would not fit in max_tokens; otherwise the observation's tokens follow and the next turn
+  starts;
 - a step that raises (the environment's bug, not the worker's) ends the episode there with finish "error";
   the replay must raise at the same turn, and the learner trains on nothing of that group
   (learner.orchestrate.rollouts.score_groups).
@@ -161,7 +161,7 @@ def _after_turn(e: _Live, tokens: list[int], logprobs: list[float], rules: Episo
     record.spans.append(len(tokens))
     e.turns += 1
     try:
-        step = step_env(e.env, tokens, chat)
+        step, observation = step_env(e.env, tokens, chat)
         e.reward += step_reward(step.reward)
     except Exception as exc:  # noqa: BLE001 - the environment's failure ends its episode, as the replay will find
         e.error = f"turn {e.turns - 1}: {failure(exc)}"
@@ -171,7 +171,6 @@ def _after_turn(e: _Live, tokens: list[int], logprobs: list[float], rules: Episo
     if step.done:
         e.done, record.finish_reason = True, "stop"
         return
-    observation = observation_ids(step, tokens, chat)
     if e.turns >= spec.max_turns or len(record.tokens) + len(observation) >= spec.max_tokens:
         e.done, record.finish_reason = True, "length"
         return
@@ -180,22 +179,20 @@ def _after_turn(e: _Live, tokens: list[int], logprobs: list[float], rules: Episo
     record.spans.append(len(observation))
 
 
-def step_env(env: object, turn: list[int], chat: ChatFormat) -> Step:
-    """Step `env` on a model turn: a tool environment's turn with calls (read in the run's tool format) runs
-    its tools, any other turn is the environment's step(text)."""
-    text = chat.decode(turn)
-    calls = TOOL_FORMATS[chat.tool_format](text) if isinstance(env, ToolEnv) else []
-    step = env.call_tools(calls) if calls else env.step(text)
+def step_env(env: object, turn: list[int], chat: ChatFormat) -> tuple[Step, list[int]]:
+    """Step `env` on a model turn, and the tokens that follow the turn unless the step is done: a tool
+    environment's turn with calls (read in the run's tool format) runs its tools and is followed by their
+    results as tool messages; any other turn is the environment's step(text), followed by its observation.
+    Whatever fails here is the environment's failure at this turn, on the worker and in the replay alike."""
+    calls = TOOL_FORMATS[chat.tool_format](chat.decode_calls(turn)) if isinstance(env, ToolEnv) else []
+    step = env.call_tools(calls) if calls else env.step(chat.decode(turn))
+    if step.done:
+        return step, []
     if not isinstance(step.tool_results, tuple) or not all(isinstance(r, str) for r in step.tool_results):
         raise EnvError("an environment's Step.tool_results must be a tuple of strings")
-    return step
-
-
-def observation_ids(step: Step, turn: list[int], chat: ChatFormat) -> list[int]:
-    """The tokens that follow model turn `turn`: the step's tool results as tool messages, or its observation."""
     if step.tool_results:
-        return chat.tool_result_ids(step.tool_results, turn)
-    return chat.observation_ids(step.observation, turn)
+        return step, chat.tool_result_ids(step.tool_results, turn)
+    return step, chat.observation_ids(step.observation, turn)
 
 
 def step_reward(reward: object) -> float:
@@ -252,7 +249,7 @@ def _replay_turns(env: object, episode: Completion, rules: EpisodeRules) -> tupl
         held += len(turn)
         last = k == len(spans) - 1
         try:
-            step = step_env(env, turn, chat)
+            step, observation = step_env(env, turn, chat)
             reward += step_reward(step.reward)
         except Exception as exc:  # noqa: BLE001 - an environment's failure is part of the episode it ends
             if last and episode.finish_reason == "error":
@@ -267,7 +264,6 @@ def _replay_turns(env: object, episode: Completion, rules: EpisodeRules) -> tupl
             if episode.finish_reason != "stop":
                 raise ReplayError("the environment ended the episode; its finish must be 'stop'")
             break
-        observation = observation_ids(step, turn, chat)
         if last:
             out_of_budget = k // 2 + 1 >= spec.max_turns or held + len(observation) >= spec.max_tokens
             if not out_of_budget:

@@ -19,13 +19,14 @@ result, JSON nested at most MAX_DEPTH deep. A tool bounds its own work (envs.cal
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from envs import Step, failure
+from envs import EnvError, Step, failure
 
 MAX_CALLS = 8  # tool calls read from one model turn; more are refused in one result
 MAX_RESULT = 4000  # characters of one result shown to the model
@@ -44,13 +45,13 @@ class ToolCall:
 def _calls_from_json(blobs: list[str], args_key: str) -> list[ToolCall]:
     """Calls from JSON objects {"name": ..., args_key: {...}} (the arguments may also be a JSON string)."""
     calls = []
-    for blob in blobs[: MAX_CALLS + 1]:
+    for blob in blobs:
         try:
             value = json.loads(blob)
         except (ValueError, RecursionError):
             calls.append(ToolCall("", {}, "the call is not valid JSON"))
             continue
-        args = value.get(args_key, value.get("arguments", {})) if isinstance(value, dict) else None
+        args = value.get(args_key, {}) if isinstance(value, dict) else None
         if isinstance(args, str):
             try:
                 args = json.loads(args)
@@ -80,13 +81,14 @@ _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 def parse_hermes(text: str) -> list[ToolCall]:
     """Hermes / Qwen2.5 / Qwen3: each call a JSON object {"name", "arguments"} between <tool_call> and
     </tool_call> (an unclosed last one counts: the turn may stop right after its JSON)."""
-    return _calls_from_json([m.group(1).strip() for m in _HERMES.finditer(text)], "arguments")
+    found = itertools.islice(_HERMES.finditer(text), MAX_CALLS + 1)  # no further than what is refused
+    return _calls_from_json([m.group(1).strip() for m in found], "arguments")
 
 
 def parse_llama3_json(text: str) -> list[ToolCall]:
     """Llama 3.1-3.3 (custom tools): the whole answer is a JSON object {"name", "parameters"}, or several
     separated by ";". An answer that does not start with "{" is not a call."""
-    text, blobs, at = text.strip(), [], 0
+    text, blobs, at = text.strip().removeprefix("<|python_tag|>").lstrip(), [], 0
     if not text.startswith("{"):
         return []
     decoder = json.JSONDecoder()
@@ -125,8 +127,11 @@ def generic_instructions(schemas: list[dict]) -> str:
     return GENERIC_INSTRUCTIONS.format(tools=tools, example=example)
 
 
-_JSON_TYPES: dict[Any, tuple[type, ...]] = {str: (str,), int: (int,), float: (int, float), bool: (bool,),
-                                            list: (list,), dict: (dict,)}  # fmt: skip
+# a parameter's annotation -> the JSON values it takes, and how the model is told so
+_JSON_TYPES: dict[Any, tuple[tuple[type, ...], str]] = {
+    str: ((str,), "a string"), int: ((int,), "an integer"), float: ((int, float), "a number"),
+    bool: ((bool,), "true or false"), list: ((list,), "an array"), dict: ((dict,), "an object"),
+}  # fmt: skip
 
 
 class ToolEnv:
@@ -149,7 +154,7 @@ class ToolEnv:
         """Run the turn's calls in order; the observation is their results, one tool message each."""
         if len(calls) > MAX_CALLS:
             return Step(tool_results=(f"error: at most {MAX_CALLS} tool calls per turn",), reward=-self.call_cost)
-        results = tuple(self._call(call)[:MAX_RESULT] for call in calls)
+        results = tuple(shown(self._call(call)) for call in calls)
         return Step(tool_results=results, reward=-self.call_cost * len(calls))
 
     def _call(self, call: ToolCall) -> str:
@@ -166,7 +171,20 @@ class ToolEnv:
             result = tool(**call.arguments)
         except Exception as exc:  # noqa: BLE001 - a tool's failure on the model's input is the model's to see
             return f"error: {failure(exc)}"
-        return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+        if isinstance(result, str):
+            return result
+        try:  # plain JSON values only: a set's or an object's text could differ between worker and learner
+            return json.dumps(result, ensure_ascii=False)
+        except (TypeError, ValueError):
+            kind = type(result).__name__
+            raise EnvError(f"tool {call.name} returned a {kind}: a tool returns a str or plain JSON values") from None
+
+
+def shown(result: str) -> str:
+    """A result as the model reads it: at most MAX_RESULT characters, without surrounding whitespace (some
+    templates strip a tool message, so every result is stripped alike), and without lone surrogates (a
+    JSON "\\ud800" a call may carry cannot be tokenized: it is shown escaped)."""
+    return result[:MAX_RESULT].strip().encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _argument_problem(tool: Callable[..., Any], arguments: dict[str, Any]) -> str | None:
@@ -181,8 +199,8 @@ def _argument_problem(tool: Callable[..., Any], arguments: dict[str, Any]) -> st
             if param.default is inspect.Parameter.empty:
                 return f"{tool.__name__} needs the argument {name!r}"
             continue
-        types = _JSON_TYPES.get(param.annotation)
+        types, what = _JSON_TYPES.get(param.annotation, ((object,), ""))
         value = arguments[name]
-        if types and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
-            return f"{tool.__name__}'s argument {name!r} must be a {param.annotation.__name__}"
+        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+            return f"{tool.__name__}'s argument {name!r} must be {what}"
     return None

@@ -26,8 +26,14 @@ RELEASED = [
     ("Qwen-Qwen3-0.6B.jinja", "hermes", True),
     ("Qwen-Qwen2.5-7B-Instruct.jinja", "hermes", True),
     ("meta-llama-Llama-3.1-8B-Instruct.jinja", "llama3_json", True),
+    ("Qwen-QwQ-32B.jinja", "hermes", True),
+    ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", "hermes", True),  # results in a `tool` turn
+    ("ibm-granite-granite-4.0.jinja", "hermes", True),
     ("meta-llama-Llama-3.2-3B-Instruct.jinja", "llama3_json", True),
+    ("meta-llama-Llama-3.3-70B-Instruct.jinja", "llama3_json", True),
     ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "hermes", False),  # [TOOL_CALLS]: not read, generic
+    ("GLM-4.6.jinja", "hermes", False),  # <tool_call> with XML arguments inside: not read, generic
+    ("Qwen3-Coder.jinja", "hermes", False),  # <tool_call><function=...>: likewise
     ("google-gemma-2-2b-it.jinja", "hermes", False),
     ("microsoft-Phi-3.5-mini-instruct.jinja", "hermes", False),
     ("HuggingFaceTB-SmolLM3-3B.jinja", "hermes", False),
@@ -105,8 +111,8 @@ def test_a_call_that_cannot_run_is_the_models_mistake_shown_as_its_result():
     assert step.reward == -0.25 * len(calls) and not step.done
     assert step.tool_results[:2] == ("3", "7")
     assert [r.split(":")[0] for r in step.tool_results[2:]] == ["error"] * 6
-    assert "needs the argument 'a'" in step.tool_results[2] and "must be a int" in step.tool_results[3]
-    assert "must be a int" in step.tool_results[4] and "no argument 'c'" in step.tool_results[5]
+    assert "needs the argument 'a'" in step.tool_results[2] and "must be an integer" in step.tool_results[3]
+    assert "must be an integer" in step.tool_results[4] and "no argument 'c'" in step.tool_results[5]
     assert "there is no tool 'nope'; the tools are add, fail, big" in step.tool_results[6]
     (broke,) = env.call_tools([ToolCall("fail", {"x": ""})]).tool_results
     assert broke == "error: RuntimeError: tool broke"  # one line
@@ -114,6 +120,19 @@ def test_a_call_that_cannot_run_is_the_models_mistake_shown_as_its_result():
     assert len(long) == MAX_RESULT
     refused = env.call_tools([ToolCall("add", {"a": 1})] * (MAX_CALLS + 1))
     assert refused.tool_results == (f"error: at most {MAX_CALLS} tool calls per turn",)
+    # a lone surrogate a call's JSON may carry ("\ud800") is shown escaped, so the result can be tokenized
+    (echo,) = env.call_tools(parse_hermes('<tool_call>{"name": "big", "arguments": {"x": "\\ud800"}}')).tool_results
+    assert echo.startswith("\\ud800\\ud800") and chat_format(load_policy("tiny", "unused")).tool_result_ids((echo,), [])
+    (padded,) = env.call_tools([ToolCall("big", {"x": " "})]).tool_results
+    assert padded == ""  # results are stripped: some templates strip a tool message
+
+
+def test_a_tool_returning_what_json_cannot_write_is_the_environments_bug():
+    env = Tools()
+    env.tools = (lambda x: {1, 2},)
+    env.tools[0].__name__ = "sets"
+    with pytest.raises(EnvError, match="tool sets returned a set: a tool returns a str or plain JSON values"):
+        env.call_tools([ToolCall("sets", {"x": 1})])
 
 
 @pytest.mark.parametrize(("template", "fmt", "in_template"), RELEASED, ids=[r[0].split(".jinja")[0] for r in RELEASED])
@@ -131,7 +150,9 @@ def test_each_released_template_offers_the_tools_and_writes_results_as_it_would(
     messages += [{"role": "tool", "content": r} for r in results]
     full = tok.apply_chat_template(messages, tools=[SCHEMA], tokenize=False, add_generation_prompt=True)
     shown = [json.dumps(r, ensure_ascii=False) for r in results] if quoted else results
-    assert full.startswith(prompt) and quoted == (fmt == "llama3_json")  # Llama 3.1's template: tojson
+    assert quoted == (fmt == "llama3_json")  # Llama 3.1's template: tojson
+    # (the prompt is the conversation's start, but for a reasoning template's opening of the assistant turn)
+    assert full[: full.index(model)].startswith(prompt[: prompt.rindex("What is 12 * 7?")])
     assert full[full.index(model) + len(model) :] == frame[0] + frame[1].join(shown) + frame[2]
 
 
@@ -204,8 +225,8 @@ def test_a_llama3_template_episode_reads_bare_json_calls():
 def test_the_tool_format_travels_to_workers_and_bad_values_are_refused(qwen3):
     chat = chat_format(qwen3[0])
     assert ChatFormat.from_wire(chat.to_wire()) == chat and chat.tool_frame is not None
-    for key, value in [("tool_format", "python"), ("tool_json", 1), ("tool_frame", ["a", "b"]),
-                       ("tool_frame", ["x" * 5000, "", ""])]:  # fmt: skip
+    for key, value in [("tool_format", "python"), ("tool_format", ["hermes"]), ("tool_json", 1),
+                       ("tool_frame", ["a", "b"]), ("tool_frame", ["x" * 5000, "", ""])]:  # fmt: skip
         with pytest.raises(EnvError, match="tool"):
             ChatFormat.from_wire({**chat.to_wire(), key: value})
 

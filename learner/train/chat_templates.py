@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 
 from envs.tools import GENERIC_FORMAT, generic_instructions
 
@@ -28,8 +29,10 @@ PROBE_TOOL = {
                        "required": ["x"]},
     },
 }  # fmt: skip
-# How each known format shows in a template's tool section (what the template tells the model to write).
-FORMAT_MARKERS = {"hermes": "<tool_call>", "llama3_json": '"parameters": dictionary of argument name'}
+# How each known format shows in a template's tool section (what the template tells the model to write):
+# Hermes' <tool_call> holds JSON with a "name" (GLM's and Qwen3-Coder's XML calls inside the same tag do not)
+FORMAT_MARKERS = {"hermes": re.compile(r'<tool_call>\s*\{\s*"name"'),
+                  "llama3_json": re.compile(r'"parameters": dictionary of argument name')}  # fmt: skip
 
 
 def tool_format(tokenizer: object) -> tuple[str, bool]:
@@ -41,9 +44,31 @@ def tool_format(tokenizer: object) -> tuple[str, bool]:
         return GENERIC_FORMAT, False
     if PROBE_TOOL["function"]["name"] in text:
         for name, marker in FORMAT_MARKERS.items():
-            if marker in text:
+            if marker.search(text):
                 return name, True
     return GENERIC_FORMAT, False
+
+
+def observation_frame(tokenizer: object) -> tuple[str, str] | None:
+    """(observation_open, observation_close): what the template writes between an assistant message and the
+    next user message's content, and after that content when a reply is asked for (envs.chat); None when it
+    does not write an assistant turn followed by a user turn."""
+    model, observation = "ECHOMODELPROBE", "ECHOOBSERVATIONPROBE"
+    messages = [{"role": "user", "content": "ECHOUSERPROBE"}, {"role": "assistant", "content": model},
+                {"role": "user", "content": observation}]  # fmt: skip
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    pieces = _after_each(text, [model, observation])
+    return (pieces[0], pieces[1]) if pieces else None
+
+
+def _after_each(text: str, probes: list[str]) -> list[str] | None:
+    """The text after each probe up to the next one (after the last: to the end), or None unless the probes
+    appear in `text` in order."""
+    at = [text.find(p) for p in probes]
+    if min(at) < 0 or at != sorted(at):
+        return None
+    ends = [a + len(p) for a, p in zip(at, probes, strict=True)]
+    return [text[end:nxt] for end, nxt in zip(ends, [*at[1:], len(text)], strict=True)]
 
 
 def tool_frame(tokenizer: object) -> tuple[tuple[str, str, str] | None, bool]:
@@ -52,17 +77,13 @@ def tool_frame(tokenizer: object) -> tuple[tuple[str, str, str] | None, bool]:
     model, first, second = "ECHOMODELPROBE", "ECHOTOOLONE", "ECHOTOOLTWO"
     messages = [{"role": "user", "content": "ECHOUSERPROBE"}, {"role": "assistant", "content": model},
                 {"role": "tool", "content": first}, {"role": "tool", "content": second}]  # fmt: skip
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:  # with the tools offered: Hermes' templates loop over them in every conversation
+        text = tokenizer.apply_chat_template(messages, tools=[PROBE_TOOL], tokenize=False, add_generation_prompt=True)
     except Exception:  # noqa: BLE001 - templates without a tool role raise (Gemma: roles must alternate)
         return None, False
-    if not 0 <= text.find(model) < text.find(first) < text.find(second):
-        return None, False
     quoted = json.dumps(first) in text and json.dumps(second) in text
-    first, second = (json.dumps(first), json.dumps(second)) if quoted else (first, second)
-    at, mid = text.index(first), text.index(second)
-    opening = text[text.index(model) + len(model) : at]
-    return (opening, text[at + len(first) : mid], text[mid + len(second) :]), quoted
+    pieces = _after_each(text, [model, json.dumps(first), json.dumps(second)] if quoted else [model, first, second])
+    return (tuple(pieces), quoted) if pieces else (None, False)
 
 
 def render_user_turn(tokenizer: object, user_text: str, tools: tuple[dict, ...], in_template: bool) -> str:

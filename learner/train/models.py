@@ -30,7 +30,7 @@ from transformers import (
 
 from envs.chat import ChatFormat, think_ids, without_thinking
 from learner.config import ModelConfig
-from learner.train.chat_templates import render_user_turn, tool_format, tool_frame
+from learner.train.chat_templates import observation_frame, render_user_turn, tool_format, tool_frame
 from learner.train.lora import add_lora
 from p2p.messages import ModelSpec, is_adapter
 
@@ -352,24 +352,15 @@ def eos_ids(policy: Policy) -> list[int]:
 
 
 def chat_format(policy: Policy) -> ChatFormat:
-    """How `policy`'s chat template writes an observation between two of the model's turns (envs.chat): the
-    template renders a probe conversation (user, assistant, user, then the assistant's opening), and the text
-    between the assistant's content and the second user's, and after it, are the observation's frame."""
-    user, model, observation = "ECHOUSERPROBE", "ECHOMODELPROBE", "ECHOOBSERVATIONPROBE"
-    messages = [
-        {"role": "user", "content": user},
-        {"role": "assistant", "content": model},
-        {"role": "user", "content": observation},
-    ]
-    text = policy.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    if not (0 <= text.find(model) < text.find(observation)):
+    """How `policy`'s chat template writes an observation, and a tool environment's results, between two of the
+    model's turns (envs.chat), found by rendering probe conversations (learner.train.chat_templates)."""
+    observation = observation_frame(policy.tokenizer)
+    if observation is None:
         raise ModelError(
             f"model {policy.name!r}: its chat template does not write an assistant turn followed by a user turn, "
             "so multi-turn episodes cannot be rendered; use a model with a standard chat template"
         )
-    between = text[text.index(model) + len(model) : text.index(observation)]
-    after = text[text.index(observation) + len(observation) :]
     # the template's tool messages where its tool section is used; else results in a user turn (envs.chat)
-    frame, tool_json = tool_frame(policy.tokenizer) if policy.tool_format[1] else (None, False)
-    return ChatFormat(policy.tokenizer.backend_tokenizer.to_str(), between, after, tuple(eos_ids(policy)),
-                      policy.tool_format[0], frame, tool_json)  # fmt: skip
+    tools, tool_json = tool_frame(policy.tokenizer) if policy.tool_format[1] else (None, False)
+    return ChatFormat(policy.tokenizer.backend_tokenizer.to_str(), *observation, tuple(eos_ids(policy)),
+                      policy.tool_format[0], tools, tool_json)  # fmt: skip
