@@ -25,6 +25,7 @@ staleness of every turn is that of the version that started the episode.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -71,6 +72,23 @@ class _Live:
     error: str | None = None  # the environment's exception, if its step raised
 
 
+def generate_rollouts(
+    generate: Generate,
+    requests: Sequence[GenerationRequest],
+    params: SamplingParams,
+    rules: EpisodeRules | None = None,
+) -> list[list[Completion]]:
+    """Every group of a lease or a step, in request order, the one way workers, the co-located loop and
+    evaluation all turn requests into rollouts: an environment's (`rules` given) played as episodes, a task's
+    completed once by `generate`; greedy requests (held-out evaluation) at temperature 0, apart from the rest."""
+    run = generate if rules is None else functools.partial(play_episodes, generate, rules=rules)
+    greedy = [r for r in requests if r.greedy]
+    sampled = [r for r in requests if not r.greedy]
+    done = iter(run(greedy, dataclasses.replace(params, temperature=0.0)) if greedy else [])
+    rest = iter(run(sampled, params) if sampled else [])
+    return [next(done) if r.greedy else next(rest) for r in requests]
+
+
 def play_episodes(
     generate: Generate,
     requests: Sequence[GenerationRequest],
@@ -82,15 +100,8 @@ def play_episodes(
     per request, in order.
     The first turns go to the engine as the requests themselves (a group's episodes share its prompt, so an
     engine prefills it once); every later turn of every live episode in one call per distinct token budget.
-    params' max_new_tokens is replaced by the turn budgets. Greedy requests (held-out evaluation) play at
-    temperature 0, apart from the others, as worker.engines.generate_lease does."""
-    greedy = [r.greedy for r in requests]
-    if any(greedy) and not all(greedy):
-        done = iter(play_episodes(generate, [r for r in requests if r.greedy], params, rules))
-        rest = iter(play_episodes(generate, [r for r in requests if not r.greedy], params, rules))
-        return [next(done) if r.greedy else next(rest) for r in requests]
-    if any(greedy):
-        params = dataclasses.replace(params, temperature=0.0)
+    params' max_new_tokens is replaced by the turn budgets. Callers go through generate_rollouts, which plays
+    greedy requests (held-out evaluation) at temperature 0, apart from the others."""
     episodes: list[list[_Live]] = []
     try:
         for request in requests:

@@ -10,17 +10,16 @@ import random
 import time
 from collections.abc import Iterator
 
-from envs.episode import play_episodes
 from learner.config import LearnerConfig
 from learner.evaluation import Evaluator, eval_task
 from learner.orchestrate.rollouts import Rollout, has_signal, score_groups
+from learner.rollout_source import RolloutSource
 from learner.run import Phases, batch_metrics, open_run, sampler_departure
 from learner.tasks import Task, step_seed
-from learner.tasks.environment import episode_rules
 from learner.train.models import model_spec
 from learner.train.wire_weights import send_to_sampler
 from p2p.config import ConfigError
-from p2p.messages import Engine, GenerationRequest, SamplingParams
+from p2p.messages import Engine, SamplingParams
 
 
 def train_colocated(
@@ -32,8 +31,8 @@ def train_colocated(
     held_out = eval_task(cfg, task) if every and not cfg.env.env else None  # a bad one fails before the model loads
     run = open_run(cfg, resume, task=task)
     policy, task, trainer = run.policy, run.task, run.trainer
-    episodes = episode_rules(task)  # an environment's: its groups are played over several turns
-    if every and episodes is not None:  # an environment's held-out seeds, drawn from the run's task
+    source = RolloutSource(task, policy)  # a task's completions or an environment's episodes, one interface
+    if every and source.episodes is not None:  # an environment's held-out seeds, drawn from the run's task
         held_out = eval_task(cfg, task)
     spec = model_spec(policy)
     send_to_sampler(engine, spec, policy.model)
@@ -54,7 +53,7 @@ def train_colocated(
             scored: list[list[Rollout]] = []
             for round_ in range(cfg.grpo.sampling_rounds if cfg.grpo.dynamic_sampling else 1):
                 problems = [task.sample(rng) for _ in range(cfg.grpo.prompts_per_step)]
-                prompts = [policy.render_prompt(p.prompt, p.tools) for p in problems]
+                prompts = [source.prompt(p) for p in problems]
                 params = SamplingParams(
                     cfg.sampler.temperature,
                     cfg.sampler.top_p,
@@ -62,14 +61,11 @@ def train_colocated(
                     step_seed(cfg.run.seed + 1 + round_, step),
                 )
                 requests = [
-                    GenerationRequest(p, cfg.grpo.group_size, k, episode=problem.answer if episodes else None)
+                    source.request(problem, p, cfg.grpo.group_size, k)
                     for k, (p, problem) in enumerate(zip(prompts, problems, strict=True))
                 ]
                 with phases("generate"):
-                    if episodes is not None:
-                        groups = play_episodes(engine.generate, requests, params, episodes)
-                    else:
-                        groups = engine.generate(requests, params)
+                    groups = source.generate(engine.generate, requests, params)
                 with phases("score"):
                     scored += score_groups(task, policy, problems, prompts, groups, step - 1, cfg.grpo.advantage_std)
                 if sum(map(has_signal, scored)) >= cfg.grpo.prompts_per_step:

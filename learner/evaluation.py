@@ -18,15 +18,16 @@ learner's replay computes it, and `turns_mean` adds the sampled episodes' model 
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import logging
 import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from envs.episode import EpisodeRules, play_episodes, replay_episode
+from envs.episode import EpisodeRules
 from learner.config import LearnerConfig
+from learner.rollout_source import RolloutSource
 from learner.tasks import Problem, Task, make_task, step_seed
 from learner.tasks.environment import episode_rules
 from learner.tasks.split import has_split, split_task
@@ -100,27 +101,27 @@ class Evaluator:
         """The samples' parameters; their seed is the run's evaluation stream, the same at every evaluation."""
         return SamplingParams(self.temperature, self.top_p, self.max_new_tokens, step_seed(self.seed, SAMPLE_STREAM))
 
+    @functools.cached_property
+    def source(self) -> RolloutSource:
+        """The held-out problems' rollouts: completions of a task, or episodes of an environment."""
+        return RolloutSource(self.task, self.policy)
+
     @property
     def episodes(self) -> EpisodeRules | None:
         """An environment's rules (its problems are episodes to play), None for a task."""
-        return episode_rules(self.task)
+        return self.source.episodes
 
     def requests(self) -> list[GenerationRequest]:
         """One greedy request per prompt, then one of k samples per prompt (group i: prompt i in both)."""
-        prompts = [self.policy.render_prompt(p.prompt, p.tools) for p in self.problems]
-        seeds = [p.answer if self.episodes else None for p in self.problems]  # an environment's episodes
-        greedy = [GenerationRequest(prompts[i], 1, i, greedy=True, episode=seeds[i]) for i in range(len(prompts))]
-        return greedy + [GenerationRequest(prompts[i], self.samples, i, episode=seeds[i]) for i in range(len(prompts))]
+        prompts = [self.source.prompt(p) for p in self.problems]
+        pairs = list(enumerate(zip(self.problems, prompts, strict=True)))
+        greedy = [self.source.request(p, ids, 1, i, greedy=True) for i, (p, ids) in pairs]
+        return greedy + [self.source.request(p, ids, self.samples, i) for i, (p, ids) in pairs]
 
     def evaluate(self, engine: Engine) -> dict:
         """Greedy accuracy, pass@k and mean sampled reward of `engine`'s policy on the held-out prompts."""
         tick = time.perf_counter()
-        requests, n = self.requests(), len(self.problems)
-        if self.episodes is not None:  # greedy episodes at temperature 0, then the sampled ones
-            groups = play_episodes(engine.generate, requests, self.params, self.episodes)
-        else:
-            groups = engine.generate(requests[:n], dataclasses.replace(self.params, temperature=0.0))
-            groups += engine.generate(requests[n:], self.params)
+        groups = self.source.generate(engine.generate, self.requests(), self.params)  # greedy at temperature 0
         return {**self.score(groups), "seconds": round(time.perf_counter() - tick, 3)}
 
     def score(self, groups: Sequence[Sequence[Completion]]) -> dict:
@@ -146,6 +147,4 @@ class Evaluator:
     def _rewards(self, problem: Problem, group: Sequence[Completion]) -> list[float]:
         """Each completion's reward; an episode's: its return as the replay computes it (envs.episode.ReplayError
         for one the environment does not reproduce)."""
-        if self.episodes is not None:
-            return [clamp_reward(replay_episode(c, problem.answer, self.episodes).reward) for c in group]
-        return [clamp_reward(self.task.reward(self.policy.response(c.tokens), problem.answer)) for c in group]
+        return [clamp_reward(r) for r in self.source.returns(problem, group).values]

@@ -13,10 +13,10 @@ from echo_cli.terminal import setup_logging
 from worker import daemon
 from worker.config import WorkerConfig
 
-honest_play = daemon.play_episodes
+honest_play = daemon.generate_rollouts
 
 
-def forged_play(generate, requests, params, rules):
+def forged_play(generate, requests, params, rules=None):
     groups = honest_play(generate, requests, params, rules)
     for group in groups:
         first = group[0]
@@ -33,7 +33,7 @@ if __name__ == "__main__":
     FORGE = sys.argv[1]
     args = dict(zip(sys.argv[2::2], sys.argv[3::2], strict=True))
     setup_logging(False)
-    daemon.play_episodes = forged_play
+    daemon.generate_rollouts = forged_play
     cfg = WorkerConfig(learner=args["--learner"], identity=args["--identity"], work_dir=args["--work-dir"],
                        listen="/ip4/127.0.0.1/tcp/0")  # fmt: skip
     daemon.WorkerDaemon(cfg).run()

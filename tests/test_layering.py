@@ -106,3 +106,15 @@ def test_modules_stay_small_or_say_why():
         if len(text.splitlines()) > MAX_LINES and "Long because" not in doc:
             long.append(f"{module}: {len(text.splitlines())} lines")
     assert not long, long
+
+
+def test_tasks_and_environments_meet_in_one_interface():
+    """Episodes are played and replayed only through learner.rollout_source and envs (no loop, intake or
+    evaluation forks on whether the run has an environment)."""
+    allowed = {"learner.rollout_source", "envs.episode"}
+    for name, path in modules().items():
+        if name in allowed:
+            continue
+        text = path.read_text()
+        for call in ("play_episodes(", "replay_episode("):
+            assert call not in text, f"{name} calls {call[:-1]}: go through learner.rollout_source.RolloutSource"

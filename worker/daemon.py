@@ -27,7 +27,7 @@ from typing import Any
 
 from envs import EnvError, EnvSpec
 from envs.chat import ChatFormat
-from envs.episode import EpisodeRules, play_episodes
+from envs.episode import EpisodeRules, generate_rollouts
 from p2p.auth import authenticate, read_secret
 from p2p.broadcast import BroadcastPeer, ChunkStore
 from p2p.config import UPLINK_PACE, ConfigError
@@ -56,7 +56,7 @@ from p2p.messages import (
     sampled_count,
 )
 from worker.config import WorkerConfig
-from worker.engines import generate_lease, make_engine
+from worker.engines import make_engine
 from worker.fetcher import VersionFetcher
 
 PUSH_TIMEOUT = 60.0  # seconds one send of a lease's rollouts may take (a slow uplink)
@@ -257,16 +257,13 @@ class WorkerDaemon:
         log.debug("lease %d: %d groups on v%d", lease.id, len(requests), version)
         self.state = f"generating lease {lease.id} ({len(requests)} groups) on v{version}"
         tick, leased_at = time.perf_counter(), time.monotonic()
-        if any(r.episode is not None for r in requests):  # an environment's groups: episodes, turn by turn
-            if self.episodes is None:
-                raise MessageError("a lease of episodes from a run that named no environment")
-            try:
-                groups = play_episodes(self.engine.generate, requests, lease.params, self.episodes)
-            except EnvError as exc:  # its lease goes back to the learner when it expires
-                log.warning("lease %d dropped: %s", lease.id, exc)
-                return
-        else:
-            groups = generate_lease(self.engine, requests, lease.params)  # greedy groups: held-out evaluation
+        if any((r.episode is not None) != (self.episodes is not None) for r in requests):
+            raise MessageError("a lease's groups must be episodes exactly when the run names an environment")
+        try:  # an environment's groups are episodes, played turn by turn; greedy ones: held-out evaluation
+            groups = generate_rollouts(self.engine.generate, requests, lease.params, self.episodes)
+        except EnvError as exc:  # its lease goes back to the learner when it expires
+            log.warning("lease %d dropped: %s", lease.id, exc)
+            return
         elapsed = time.perf_counter() - tick
         tokens = sum(sampled_count(len(c.tokens), c.spans) for g in groups for c in g)  # sampled ones
         self.tokens_per_s = tokens / max(elapsed, 1e-9)

@@ -28,7 +28,6 @@ from learner.orchestrate.workers import WorkerRecord
 from learner.plan.admission import LeaseAdmission
 from learner.plan.scheduler import Decision, Scheduler, SchedulerConfig
 from learner.tasks import Task
-from learner.tasks.environment import episode_rules
 from learner.train.devices import describe_device
 from learner.train.models import Policy
 from learner.train.trainer import model_device
@@ -91,7 +90,7 @@ class LearnerService:
         )
         self.versions = PolicyVersions(swarm.publish_every)
         self.prompts = PromptBook(task, policy, cfg.run.seed)
-        episodes = episode_rules(task)  # a multi-turn environment's: workers get its rules with the spec
+        episodes = self.prompts.source.episodes  # a multi-turn environment's: workers get its rules with the spec
         self.env_wire = None if episodes is None else {"spec": episodes.spec.to_wire(), "chat": episodes.chat.to_wire()}
         self.spec_reply = SpecReply(run_id, spec, cfg.grpo.group_size, self.env_wire).to_wire()  # vocabulary zstd once
         device = model_device(policy.model)

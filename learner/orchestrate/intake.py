@@ -35,8 +35,8 @@ from learner.orchestrate.versions import PolicyVersions
 from learner.orchestrate.workers import WorkerRecord
 from learner.plan.admission import within_staleness
 from learner.plan.scheduler import Scheduler
+from learner.rollout_source import RolloutSource
 from learner.tasks import Problem, Task, step_seed
-from learner.tasks.environment import episode_rules
 from learner.train.models import Policy
 from p2p.host import BadRequest, Misbehaviour
 from p2p.messages import GenerationRequest, MessageError, RolloutReply, RolloutSubmission
@@ -54,6 +54,7 @@ class PromptBook:
 
     def __init__(self, task: Task, policy: Policy, seed: int) -> None:
         self.task, self.policy, self.seed = task, policy, seed
+        self.source = RolloutSource(task, policy)  # a task's prompts or an environment's episode seeds
         self._problems: dict[int, tuple[Problem, list[int]]] = {}
         self._lock = threading.Lock()
 
@@ -61,14 +62,13 @@ class PromptBook:
         with self._lock:
             if group_id not in self._problems:
                 problem = self.task.sample(random.Random(step_seed(self.seed, group_id)))
-                self._problems[group_id] = (problem, self.policy.render_prompt(problem.prompt, problem.tools))
+                self._problems[group_id] = (problem, self.source.prompt(problem))
             return self._problems[group_id]
 
     def request(self, group_id: int, group_size: int) -> GenerationRequest:
         """What a lease asks of group `group_id`: its prompt G times (an environment's: G episodes of its seed)."""
         problem, prompt_ids = self[group_id]
-        episode = problem.answer if episode_rules(self.task) is not None else None
-        return GenerationRequest(prompt_ids, group_size, group_id, episode=episode)
+        return self.source.request(problem, prompt_ids, group_size, group_id)
 
     def forget(self, group_ids: list[int]) -> None:
         with self._lock:
@@ -89,7 +89,7 @@ class RolloutIntake:
         self.scheduler, self._sched_lock = scheduler, scheduler_lock
         self.evals: EvalBoard | None = None  # held-out evaluation leases (learner.orchestrate.evaluations)
         self.tokens_accepted = 0  # sampled tokens of all accepted rollouts: mean length turns tokens/s to rollouts/s
-        self.episodes = episode_rules(prompts.task)  # a multi-turn environment's rules, or None
+        self.episodes = prompts.source.episodes  # a multi-turn environment's rules, or None
         self._lock = threading.Lock()
         # lease -> (worker, digest of what it sent, our reply) of the last ANSWERED_KEPT submissions taken: a worker
         # that lost our reply (a cut link) sends the same rollouts again and gets the same answer, nothing counted

@@ -9,19 +9,15 @@ Representations from the wire to the loss (docs/design.md, "One rollout from lea
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
 
-from envs.episode import replay_episode
+from learner.rollout_source import RolloutSource
 from learner.tasks import Problem, Task
-from learner.tasks.environment import episode_rules
 from learner.train.grpo import clamp_reward, group_advantages
 from learner.train.models import Policy
 from p2p.messages import Completion, sampled_count
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,28 +67,18 @@ def score_groups(
     version: int,
     scale_by_std: bool = True,
 ) -> list[list[Rollout]]:
-    """Score every completion with the task's reward and attach group-normalised advantages. An environment's
-    episodes are replayed from their seed (problem.answer) instead: the return is the environment's, and an
-    episode it does not reproduce raises envs.episode.ReplayError. A group in which the environment raised
-    trains on nothing: its returns all count 0, so its advantages are 0 (the exception is logged).
+    """Score every completion (learner.rollout_source.RolloutSource.returns: the task's reward, or an
+    environment's return as the replay of its episode computes it, envs.episode.ReplayError for one it does
+    not reproduce) and attach group-normalised advantages. A group in which the environment raised trains on
+    nothing: its returns all count 0, so its advantages are 0 (the exception is logged).
     `scale_by_std` false: advantages are not divided by the group's std (grpo.advantage_std, Dr. GRPO)."""
-    rules = episode_rules(task)
+    source = RolloutSource(task, policy)
     scored = []
     for problem, prompt_ids, group in zip(problems, prompts, groups, strict=True):
-        failed = [False] * len(group)
-        if rules is not None:
-            replayed = [replay_episode(c, problem.answer, rules) for c in group]
-            returns = [r.reward for r in replayed]
-            failed = [r.error is not None for r in replayed]
-            if any(failed):
-                error = next(r.error for r in replayed if r.error)
-                log.warning("environment %s raised in an episode of seed %d (%s): its group trains on nothing",
-                            rules.spec.name, problem.answer, error)  # fmt: skip
-                returns = [0.0] * len(group)
-        else:
-            returns = [task.reward(policy.response(c.tokens), problem.answer) for c in group]
+        returns = source.returns(problem, group)
+        failed = returns.failed
         # any reward function's value, made safe to normalise: non-finite scores 0, clamped to +-REWARD_LIMIT
-        rewards = [clamp_reward(r) for r in returns]
+        rewards = [clamp_reward(r) for r in returns.values]
         advantages = group_advantages(torch.tensor([rewards], dtype=torch.float64), scale_by_std=scale_by_std)
         advantages = advantages[0].tolist()  # [G]
         scored.append(

@@ -1,8 +1,8 @@
 """A multi-turn environment seen as a task: a problem is an episode's seed and its first user message.
 
-The loops draw problems, render prompts and lease groups the same way for tasks and environments; what
-differs is that an environment's groups are played (envs.episode.play_episodes) rather than completed once,
-and scored by replaying each episode (learner.orchestrate.rollouts.score_groups), never by a reward on text.
+The loops draw problems, render prompts and lease groups the same way for tasks and environments, through
+learner.rollout_source.RolloutSource: an environment's groups are played (envs.episode.play_episodes)
+rather than completed once, and scored by replaying each episode, never by a reward on text.
 """
 
 from __future__ import annotations

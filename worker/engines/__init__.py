@@ -8,12 +8,8 @@ computes on, for the heartbeat) and two ways to change its weights:
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-from p2p.messages import Completion, GenerationRequest, SamplingParams
 
 
 def make_engine(
@@ -39,14 +35,3 @@ def sampler_engine(sampler: Any, device: str, work_dir: str | Path) -> Any:
     section (engine, threads, max_batch, gpu_layers) on the learner's `device` (llama.cpp offloads its
     layers to a GPU when built with one, transformers runs on `device`)."""
     return make_engine(sampler.engine, work_dir, sampler.threads, sampler.max_batch, sampler.gpu_layers, device)
-
-
-def generate_lease(
-    engine: Any, requests: Sequence[GenerationRequest], params: SamplingParams
-) -> list[list[Completion]]:
-    """A lease's groups in order: greedy ones (held-out evaluation) at temperature 0, the rest with `params`."""
-    greedy = [r for r in requests if r.greedy]
-    sampled = [r for r in requests if not r.greedy]
-    done = iter(engine.generate(greedy, dataclasses.replace(params, temperature=0.0)) if greedy else [])
-    rest = iter(engine.generate(sampled, params) if sampled else [])
-    return [next(done) if r.greedy else next(rest) for r in requests]
