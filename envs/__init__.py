@@ -166,10 +166,11 @@ class EnvSpec:
     max_turns: int = 8  # model turns per episode
     max_tokens: int = 1024  # tokens after the first prompt: model turns and observations together
     turn_tokens: int = 64  # tokens per model turn (the sampler's max_new_tokens)
+    hosted: bool = False  # the learner steps the environment; workers ask it for each observation (envs.episode)
 
     def to_wire(self) -> dict:
         return {"name": self.name, "args": self.args, "max_turns": self.max_turns, "max_tokens": self.max_tokens,
-                "turn_tokens": self.turn_tokens}  # fmt: skip
+                "turn_tokens": self.turn_tokens, "hosted": self.hosted}  # fmt: skip
 
     @classmethod
     def from_wire(cls, msg: dict) -> EnvSpec:
@@ -179,4 +180,6 @@ class EnvSpec:
             raise EnvError("the run's environment spec needs a name (a string) and args (a map)")
         if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1 << 20 for v in budgets):
             raise EnvError("the run's environment spec needs max_turns, max_tokens and turn_tokens in [1, 2^20]")
-        return cls(name, args, *budgets)
+        if not isinstance(hosted := msg.get("hosted", False), bool):
+            raise EnvError("the run's environment spec's hosted must be true or false")
+        return cls(name, args, *budgets, hosted)

@@ -34,9 +34,10 @@ from dataclasses import dataclass
 from envs import EnvError, EnvFactory, EnvSpec, Step, close_env, failure, make_env
 from envs.chat import ChatFormat
 from envs.tools import TOOL_FORMATS, ToolEnv
-from p2p.messages import Completion, GenerationRequest, SamplingParams, sampled_count
+from p2p.messages import Completion, EpisodeStep, EpisodeTurn, GenerationRequest, SamplingParams, sampled_count
 
 Generate = Callable[[Sequence[GenerationRequest], SamplingParams], list[list[Completion]]]
+Remote = Callable[[list[EpisodeTurn]], list[EpisodeStep]]  # a hosted environment's steps, asked of the learner
 log = logging.getLogger(__name__)
 
 
@@ -50,12 +51,12 @@ class EpisodeRules:
     format its observations are written in. The learner and its workers hold the same rules."""
 
     spec: EnvSpec
-    make_env: EnvFactory
+    make_env: EnvFactory | None  # None on a worker of a hosted environment: the learner steps it
     chat: ChatFormat
 
     @classmethod
     def of(cls, spec: EnvSpec, chat: ChatFormat) -> EpisodeRules:
-        return cls(spec, make_env(spec.name, spec.args), chat)
+        return cls(spec, None if spec.hosted else make_env(spec.name, spec.args), chat)
 
 
 @dataclass
@@ -77,11 +78,13 @@ def generate_rollouts(
     requests: Sequence[GenerationRequest],
     params: SamplingParams,
     rules: EpisodeRules | None = None,
+    remote: Remote | None = None,
 ) -> list[list[Completion]]:
     """Every group of a lease or a step, in request order, the one way workers, the co-located loop and
     evaluation all turn requests into rollouts: an environment's (`rules` given) played as episodes, a task's
-    completed once by `generate`; greedy requests (held-out evaluation) at temperature 0, apart from the rest."""
-    run = generate if rules is None else functools.partial(play_episodes, generate, rules=rules)
+    completed once by `generate`; greedy requests (held-out evaluation) at temperature 0, apart from the rest.
+    `remote`: a hosted environment's steps, asked of the learner (a worker's; see play_episodes)."""
+    run = generate if rules is None else functools.partial(play_episodes, generate, rules=rules, remote=remote)
     greedy = [r for r in requests if r.greedy]
     sampled = [r for r in requests if not r.greedy]
     done = iter(run(greedy, dataclasses.replace(params, temperature=0.0)) if greedy else [])
@@ -94,10 +97,12 @@ def play_episodes(
     requests: Sequence[GenerationRequest],
     params: SamplingParams,
     rules: EpisodeRules,
+    remote: Remote | None = None,
 ) -> list[list[Completion]]:
     """Play each request's group_size episodes of the environment reset with its `episode` seed (its first
     prompt: the request's prompt_ids) with `generate` (an engine's); returns one list of episode records
-    per request, in order.
+    per request, in order. With `remote` (a worker playing a hosted environment) the environment's part is
+    the learner's: each round of turns goes to it in one request and its answers are recorded as they are.
     The first turns go to the engine as the requests themselves (a group's episodes share its prompt, so an
     engine prefills it once); every later turn of every live episode in one call per distinct token budget.
     params' max_new_tokens is replaced by the turn budgets. Callers go through generate_rollouts, which plays
@@ -110,6 +115,11 @@ def play_episodes(
             group: list[_Live] = []
             episodes.append(group)
             for j in range(request.group_size):
+                if remote is not None:  # a hosted environment: nothing of it runs here
+                    group.append(_Live(None, request, request.completion + j, Completion([], [], "length", [], 0.0)))
+                    continue
+                if rules.make_env is None:
+                    raise EnvError(f"environment {rules.spec.name} is hosted by the learner: it steps the episodes")
                 env = rules.make_env()
                 group.append(_Live(env, request, request.completion + j, Completion([], [], "length", [], 0.0)))
                 try:
@@ -119,7 +129,7 @@ def play_episodes(
                         f"environment {rules.spec.name} failed to start episode {request.episode} ({failure(exc)}), "
                         "which started on the learner: is it deterministic?"
                     ) from None
-        _play(generate, requests, params, rules, episodes)
+        _play(generate, requests, params, rules, episodes, remote)
         for group in episodes:  # one line per group whose environment raised
             errors = [e.error for e in group if e.error]
             if errors:
@@ -137,13 +147,14 @@ def _play(
     params: SamplingParams,
     rules: EpisodeRules,
     episodes: list[list[_Live]],
+    remote: Remote | None,
 ) -> None:
     """Play the reset episodes turn by turn until each is done (see play_episodes)."""
     spec = rules.spec
     first = dataclasses.replace(params, max_new_tokens=min(spec.turn_tokens, spec.max_tokens))
-    for group, completions in zip(episodes, generate(requests, first), strict=True):
-        for e, turn in zip(group, completions, strict=True):
-            _after_turn(e, turn.tokens, turn.logprobs, rules)
+    turns = generate(requests, first)
+    _step_all([(e, t) for group, ts in zip(episodes, turns, strict=True) for e, t in zip(group, ts, strict=True)],
+              rules, remote)  # fmt: skip
     for _ in range(spec.max_turns - 1):
         live = [e for group in episodes for e in group if not e.done]
         if not live:
@@ -160,8 +171,29 @@ def _play(
                 for e in batch
             ]  # fmt: skip
             turns = generate(turn_requests, dataclasses.replace(params, max_new_tokens=budget))
-            for e, (turn,) in zip(batch, turns, strict=True):
-                _after_turn(e, turn.tokens, turn.logprobs, rules)
+            _step_all([(e, turn) for e, (turn,) in zip(batch, turns, strict=True)], rules, remote)
+
+
+def _step_all(pairs: list[tuple[_Live, Completion]], rules: EpisodeRules, remote: Remote | None) -> None:
+    """Step each episode on its new turn: here, or (a hosted environment) all at once by the learner."""
+    if remote is None:
+        for e, turn in pairs:
+            _after_turn(e, turn.tokens, turn.logprobs, rules)
+        return
+    steps = remote([EpisodeTurn(e.request.group, e.index, e.turns, turn.tokens) for e, turn in pairs])
+    for (e, turn), step in zip(pairs, steps, strict=True):
+        record = e.record
+        record.tokens += turn.tokens
+        record.logprobs += turn.logprobs
+        record.spans.append(len(turn.tokens))
+        e.turns, record.reward = e.turns + 1, step.reward
+        if step.done:
+            e.done, record.finish_reason = True, step.finish
+            e.error = "the hosted environment raised (the learner logged it)" if step.finish == "error" else None
+        else:
+            record.tokens += step.observation
+            record.logprobs += [0.0] * len(step.observation)
+            record.spans.append(len(step.observation))
 
 
 def _after_turn(e: _Live, tokens: list[int], logprobs: list[float], rules: EpisodeRules) -> None:
@@ -244,6 +276,74 @@ def replay_episode(episode: Completion, seed: int, rules: EpisodeRules) -> Repla
     return Replayed(reward, len(spans) // 2 + 1, sampled, len(tokens) - sampled, error)
 
 
+def check_turn(turn: list[int], held: int, k: int, rules: EpisodeRules) -> None:
+    """Raise ReplayError unless model turn `k`, after `held` tokens of its episode, keeps the token budget and
+    ends at its first stop token or at the budget (the module docstring's rules)."""
+    budget = min(rules.spec.turn_tokens, rules.spec.max_tokens - held)
+    stops = rules.chat.stop_ids
+    if not turn or len(turn) > budget or any(t in stops for t in turn[:-1]):
+        raise ReplayError(f"turn {k} is empty, or runs past its budget of {budget} tokens or past a stop token")
+    if len(turn) < budget and turn[-1] not in stops:
+        raise ReplayError(f"turn {k} ends before its budget without a stop token")
+
+
+class HostedEpisode:
+    """The learner's half of one episode of a hosted environment (EnvSpec.hosted): the worker samples the
+    model's turns, the learner steps its own environment on each (turn: the rules of this module, as play
+    applies them) and answers with what follows the turn, so the observations need not be reproducible and
+    are never replayed; check() compares the worker's record of the whole episode with the learner's."""
+
+    def __init__(self, rules: EpisodeRules, request: GenerationRequest, index: int) -> None:
+        assert rules.make_env is not None, "the learner holds a hosted environment's factory"
+        self.rules, self.last = rules, None
+        self.live = _Live(rules.make_env(), request, index, Completion([], [], "length", [], 0.0))
+        try:
+            self.live.env.reset(request.episode)
+        except Exception as exc:  # noqa: BLE001 - the environment's failure: the episode ends at its first turn
+            self.live.error = f"reset: {failure(exc)}"
+
+    def turn(self, k: int, tokens: list[int]) -> EpisodeStep:
+        """Step on the episode's turn `k`; the same turn sent again (a reply lost on the way) gets the same
+        answer. Raises ReplayError for a turn out of order or against the rules."""
+        e = self.live
+        if self.last is not None and self.last[0] == k and self.last[1] == tokens:
+            return self.last[2]
+        if e.done or k != e.turns:
+            state = f"it has {e.turns} turns" + (" and has ended" if e.done else "")
+            raise ReplayError(f"turn {k} is not episode {e.index}'s next ({state})")
+        check_turn(tokens, len(e.record.tokens), k, self.rules)
+        start = len(e.record.tokens) + len(tokens)
+        if e.error is not None:  # its reset raised
+            e.record.tokens += tokens
+            e.record.spans.append(len(tokens))
+            e.turns, e.done, e.record.finish_reason = 1, True, "error"
+        else:
+            _after_turn(e, list(tokens), [0.0] * len(tokens), self.rules)
+        if e.error is not None:
+            log.warning("hosted environment %s raised in an episode of seed %d (%s); it ends there",
+                        self.rules.spec.name, e.request.episode, e.error)  # fmt: skip
+        step = EpisodeStep(e.record.tokens[start:], e.done, e.record.finish_reason if e.done else "", e.record.reward)
+        self.last = (k, list(tokens), step)
+        return step
+
+    def check(self, claimed: Completion) -> Replayed:
+        """The episode as the learner hosted it; ReplayError if the worker's record differs in anything but its
+        logprobs (the verifier checks those), or was not played to its end."""
+        e, record = self.live, self.live.record
+        if not e.done:
+            raise ReplayError(f"episode {e.index} was not played to its end with the learner")
+        for what, ours, theirs in [("tokens", record.tokens, claimed.tokens), ("turns", record.spans, claimed.spans),
+                                   ("finish", record.finish_reason, claimed.finish_reason),
+                                   ("return", record.reward, claimed.reward)]:  # fmt: skip
+            if ours != theirs:
+                raise ReplayError(f"the episode's {what} are not those of the episode the learner hosted")
+        sampled = sampled_count(len(record.tokens), record.spans)
+        return Replayed(record.reward, e.turns, sampled, len(record.tokens) - sampled, e.error)
+
+    def close(self) -> None:
+        close_env(self.live.env)
+
+
 def _replay_turns(env: object, episode: Completion, rules: EpisodeRules) -> tuple[float, str | None]:
     """Step `env` through the episode's model turns, checking each against the rules; the return, and the
     environment's exception if a step raised."""
@@ -252,11 +352,7 @@ def _replay_turns(env: object, episode: Completion, rules: EpisodeRules) -> tupl
     reward, held = 0.0, 0
     for k in range(0, len(spans), 2):
         turn = tokens[held : held + spans[k]]
-        budget = min(spec.turn_tokens, spec.max_tokens - held)
-        if len(turn) > budget or any(t in chat.stop_ids for t in turn[:-1]):
-            raise ReplayError(f"turn {k // 2} runs past its budget of {budget} tokens or past a stop token")
-        if len(turn) < budget and turn[-1] not in chat.stop_ids:
-            raise ReplayError(f"turn {k // 2} ends before its budget without a stop token")
+        check_turn(turn, held, k // 2, rules)
         held += len(turn)
         last = k == len(spans) - 1
         try:

@@ -102,11 +102,15 @@ class EnvConfig:
     """Model turns per episode at most; each samples up to sampler.max_new_tokens tokens."""
     max_episode_tokens: int = 512
     """Tokens per episode after its first prompt at most: the model's turns and the observations together."""
+    env_host: Literal["worker", "learner"] = "worker"
+    """Who steps the environment: each worker (the learner replays every episode: it must be deterministic), or
+    the learner, asked by workers for every observation (any environment; one round trip per turn)."""
 
     def validate(self) -> None:
         require(self.max_turns >= 1, "env.max_turns", f"must be >= 1, got {self.max_turns}")
         require(self.max_episode_tokens >= 2, "env.max_episode_tokens", f"must be >= 2, got {self.max_episode_tokens}")
         require(not self.env_args or bool(self.env), "env.env_args", "needs --env (the environment they configure)")
+        require(self.env_host == "worker" or bool(self.env), "env.env_host", "needs --env (the environment hosted)")
 
 
 @dataclass

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from envs.episode import EpisodeRules, Generate, generate_rollouts, replay_episode
+from envs.episode import EpisodeRules, Generate, Replayed, generate_rollouts, replay_episode
 from learner.tasks import Problem, Task
 from learner.tasks.environment import episode_rules
 from learner.train.models import Policy
@@ -65,11 +65,17 @@ class RolloutSource:
         return generate_rollouts(generate, requests, params, self.episodes)
 
     def returns(self, problem: Problem, group: Sequence[Completion]) -> Returns:
-        """The group's returns; an episode its environment does not reproduce raises envs.episode.ReplayError."""
+        """The group's returns; an episode its environment does not reproduce raises envs.episode.ReplayError.
+        A hosted environment's episodes are not replayed: their records are the learner's own, played here or
+        checked against what it hosted before they are scored (learner.orchestrate.hosting.EpisodeHost.check)."""
         if self.episodes is None:
             rewards = [self.task.reward(self.policy.response(c.tokens), problem.answer) for c in group]
             return Returns(rewards, [False] * len(group))
-        replayed = [replay_episode(c, problem.answer, self.episodes) for c in group]
+        if self.episodes.spec.hosted:
+            replayed = [Replayed(c.reward or 0.0, 0, 0, 0, "raised" if c.finish_reason == "error" else None)
+                        for c in group]  # fmt: skip
+        else:
+            replayed = [replay_episode(c, problem.answer, self.episodes) for c in group]
         failed = [r.error is not None for r in replayed]
         if any(failed):
             error = next(r.error for r in replayed if r.error)

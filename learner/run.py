@@ -178,9 +178,9 @@ def evaluate_checkpoint(cfg: LearnerConfig, checkpoint: Path, engine: Engine) ->
 def environment_task(cfg: LearnerConfig, policy: Policy, envs: EnvFactory) -> EnvironmentTask:
     """The run's environment as a task: its spec (budgets from [env] and the sampler), its factory, and the
     chat format of the policy's template."""
-    spec = EnvSpec(
-        cfg.env.env, cfg.env.env_args, cfg.env.max_turns, cfg.env.max_episode_tokens, cfg.sampler.max_new_tokens
-    )
+    env = cfg.env
+    spec = EnvSpec(env.env, env.env_args, env.max_turns, env.max_episode_tokens, cfg.sampler.max_new_tokens,
+                   hosted=env.env_host == "learner")  # fmt: skip
     return EnvironmentTask(EpisodeRules(spec, envs, chat_format(policy)))
 
 

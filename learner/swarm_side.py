@@ -35,7 +35,7 @@ from p2p.broadcast import ChunkStore, Seeder
 from p2p.config import LEARNER_PACE, paced_bps
 from p2p.host import Host, HostConfig
 from p2p.identity import load_identity
-from p2p.messages import Engine, ModelSpec
+from p2p.messages import ENV_STEP, Engine, ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +155,8 @@ def start_swarm(
         service = LearnerService(
             seeder, cfg, policy, run.task, model_spec(policy), publisher.run_id, journal, verifier, resumed
         )
+        if service.intake.hosting is not None:  # --env-host learner: workers ask it for every observation
+            host.handle(ENV_STEP, service.intake.hosting.step)
         # the address file says "ready": written only once every protocol has its handler, so that a
         # worker or `status` dialing it at once is answered rather than told "protocol not supported"
         addr_file.with_suffix(".tmp").write_text(host.addrs[0] + "\n")

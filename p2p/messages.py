@@ -600,9 +600,81 @@ class HeartbeatReply:
         return cls(_int(msg, "newest", -1, MAX_VERSION))
 
 
+MAX_TURNS_PER_STEP = 1 << 12  # episode turns one ENV_STEP request may carry (a lease's live episodes)
+
+
+@dataclass(frozen=True)
+class EpisodeTurn:
+    """A model turn of episode `completion` of group `group`, its `turn`-th (0-based), for a hosted environment."""
+
+    group: int
+    completion: int
+    turn: int
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class EnvStepRequest:
+    """/echo/env-step/1 request: the lease's model turns the learner's hosted environment steps on (one per live
+    episode; envs.episode plays, learner.orchestrate.hosting hosts)."""
+
+    lease: int
+    turns: list[EpisodeTurn]
+
+    def to_wire(self) -> dict:
+        return {"lease": self.lease, "turns": [[t.group, t.completion, t.turn, t.tokens] for t in self.turns]}
+
+    @classmethod
+    def from_wire(cls, msg: dict, max_tokens: int) -> EnvStepRequest:
+        turns = _map(msg, "env step").get("turns")
+        if not isinstance(turns, list) or not 0 < len(turns) <= MAX_TURNS_PER_STEP:
+            raise MessageError(f"'turns' must be a list of 1 to {MAX_TURNS_PER_STEP} turns")
+        out = []
+        for t in turns:
+            if not (isinstance(t, list) and len(t) == 4 and all(type(v) is int and 0 <= v < 1 << 62 for v in t[:3])):
+                raise MessageError("a turn is [group, completion, turn, tokens]")
+            out.append(EpisodeTurn(t[0], t[1], t[2], _ints(t[3], "tokens", max_tokens)))
+        return cls(_int(msg, "lease", 0, 1 << 62), out)
+
+
+@dataclass(frozen=True)
+class EpisodeStep:
+    """What the hosted environment answered to one turn: the tokens that follow it (its observation, as the
+    chat template writes it; none when the episode is over), whether it is, how (finish) and the return so far."""
+
+    observation: list[int]
+    done: bool
+    finish: str  # "stop", "length" or "error" once done, else ""
+    reward: float
+
+
+@dataclass(frozen=True)
+class EnvStepReply:
+    """/echo/env-step/1 reply: one EpisodeStep per turn of the request, in order."""
+
+    steps: list[EpisodeStep]
+
+    def to_wire(self) -> dict:
+        return {"steps": [[s.observation, s.done, s.finish, s.reward] for s in self.steps]}
+
+    @classmethod
+    def from_wire(cls, msg: dict, n_turns: int) -> EnvStepReply:
+        steps = _map(msg, "env step reply").get("steps")
+        if not isinstance(steps, list) or len(steps) != n_turns:
+            raise MessageError(f"'steps' must answer each of the {n_turns} turns")
+        out = []
+        for s in steps:
+            if not (isinstance(s, list) and len(s) == 4 and type(s[1]) is bool
+                    and s[2] in ("", "stop", "length", "error") and type(s[3]) in (int, float)):  # fmt: skip
+                raise MessageError("a step is [observation, done, finish, reward]")
+            out.append(EpisodeStep(_ints(s[0], "observation", 1 << 20), s[1], s[2], float(s[3])))
+        return cls(out)
+
+
 # Protocols between workers and the learner (the broadcast ones are in p2p.broadcast).
 SPEC = "/echo/spec/1"  # SpecRequest -> SpecReply
 LEASE = "/echo/lease/1"  # LeaseRequest -> LeaseReply
 ROLLOUT = "/echo/rollout/1"  # RolloutSubmission -> RolloutReply
 HEARTBEAT = "/echo/heartbeat/1"  # Heartbeat -> HeartbeatReply
 STATUS = "/echo/status/1"  # {} -> the learner's status document (docs/status.md)
+ENV_STEP = "/echo/env-step/1"  # EnvStepRequest -> EnvStepReply (a hosted environment's observations)

@@ -1,5 +1,5 @@
-"""Environments with bugs: ones make_env must refuse, each with one line, and one that fails now and then
-(tests/test_envs.py, tests/test_env_swarm.py)."""
+"""Environments with bugs: ones make_env must refuse, each with one line, one that fails now and then, and one
+that is not reproducible (tests/test_envs.py, tests/test_env_swarm.py, tests/test_hosted.py)."""
 
 from envs import Step
 
@@ -32,3 +32,21 @@ class Flaky:
 
 
 not_a_class = 3
+
+
+class Noisy:
+    """Not reproducible: every observation carries a fresh random nonce and the clock, as a tool calling a
+    service would; a turn with a digit earns 1. Hosted by the learner (--env-host learner) it trains; played
+    by a worker, the learner's replay could never match it."""
+
+    def reset(self, seed: int) -> str:
+        self.turn = 0
+        return "Say a number, three times."
+
+    def step(self, action: str) -> Step:
+        import os
+        import time
+
+        self.turn += 1
+        return Step(f"nonce {os.urandom(4).hex()} at {time.time():.6f}; again.",
+                    reward=float(any(c.isdigit() for c in action)), done=self.turn == 3)  # fmt: skip

@@ -16,8 +16,8 @@ from worker.config import WorkerConfig
 honest_play = daemon.generate_rollouts
 
 
-def forged_play(generate, requests, params, rules=None):
-    groups = honest_play(generate, requests, params, rules)
+def forged_play(generate, requests, params, rules=None, remote=None):
+    groups = honest_play(generate, requests, params, rules, remote)
     for group in groups:
         first = group[0]
         if FORGE == "reward":

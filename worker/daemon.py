@@ -34,12 +34,17 @@ from p2p.config import UPLINK_PACE, ConfigError
 from p2p.host import Host, HostConfig, PeerUnavailable, RemoteError, RemoteFailure, Unauthorized
 from p2p.identity import hold_identity, load_identity
 from p2p.messages import (
+    ENV_STEP,
     HEARTBEAT,
     LEASE,
     PROTOCOL,
     ROLLOUT,
     SPEC,
     UPGRADE,
+    EnvStepReply,
+    EnvStepRequest,
+    EpisodeStep,
+    EpisodeTurn,
     GroupSubmission,
     Heartbeat,
     HeartbeatReply,
@@ -60,6 +65,7 @@ from worker.engines import make_engine
 from worker.fetcher import VersionFetcher
 
 PUSH_TIMEOUT = 60.0  # seconds one send of a lease's rollouts may take (a slow uplink)
+HOSTED_STEP_TIMEOUT = 120.0  # seconds the learner may take to step a hosted environment on a round of turns
 PUSH_GRACE = 30.0  # seconds a send may run past its lease's end: the learner checks a submission that
 # arrived in time before it answers (verification: a second or two a group), and its clock is not ours
 
@@ -259,9 +265,16 @@ class WorkerDaemon:
         tick, leased_at = time.perf_counter(), time.monotonic()
         if any((r.episode is not None) != (self.episodes is not None) for r in requests):
             raise MessageError("a lease's groups must be episodes exactly when the run names an environment")
+        hosted = self.episodes is not None and self.episodes.spec.hosted  # the learner steps the environment
+
+        def remote(turns: list[EpisodeTurn]) -> list[EpisodeStep]:  # one round trip per round of turns
+            reply = self._request(ENV_STEP, EnvStepRequest(lease.id, turns).to_wire(), timeout=HOSTED_STEP_TIMEOUT)
+            return EnvStepReply.from_wire(reply, len(turns)).steps
+
         try:  # an environment's groups are episodes, played turn by turn; greedy ones: held-out evaluation
-            groups = generate_rollouts(self.engine.generate, requests, lease.params, self.episodes)
-        except EnvError as exc:  # its lease goes back to the learner when it expires
+            groups = generate_rollouts(self.engine.generate, requests, lease.params, self.episodes,
+                                       remote if hosted else None)  # fmt: skip
+        except (EnvError, PeerUnavailable, RemoteError) as exc:  # its lease goes back to the learner when it expires
             log.warning("lease %d dropped: %s", lease.id, exc)
             return
         elapsed = time.perf_counter() - tick
@@ -307,7 +320,7 @@ def episode_rules(env: dict, allowed: str) -> EpisodeRules:
     """The rules of the learner's environment (p2p.messages.SpecReply.env). A plugin environment is code this
     worker would import by a name the learner sent, so only one the operator allowed (--allow-env) is."""
     spec = EnvSpec.from_wire(env["spec"])
-    if ":" in spec.name and spec.name not in [a.strip() for a in allowed.split(",")]:
+    if ":" in spec.name and not spec.hosted and spec.name not in [a.strip() for a in allowed.split(",")]:
         raise ConfigError(
             f"the learner's run plays environment {spec.name!r}, which this worker would import: join with "
             f"--allow-env {spec.name} if you trust it (and have it installed)"

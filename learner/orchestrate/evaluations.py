@@ -39,6 +39,7 @@ from learner.evaluation import Evaluator
 from learner.orchestrate.rollouts import Rollout
 from learner.orchestrate.verify import RolloutVerifier
 from learner.orchestrate.workers import WorkerRecord
+from p2p.config import ConfigError
 from p2p.host import BadRequest, Misbehaviour
 from p2p.messages import Completion, LeaseGrant, RolloutSubmission
 
@@ -92,6 +93,9 @@ class EvalBoard:
         self, evaluator: Evaluator, verifier: RolloutVerifier, timeout_s: float,
         workers: Mapping[str, WorkerRecord] | None = None, evaluators: int = EVALUATORS,
     ) -> None:  # fmt: skip
+        if evaluator.episodes is not None and evaluator.episodes.spec.hosted:  # its episodes are never replayed
+            raise ConfigError("held-out evaluation through workers does not host environments yet: with "
+                              "--env-host learner, drop --eval-every and evaluate with echo-rl eval")  # fmt: skip
         self.evaluator, self.verifier, self.timeout_s = evaluator, verifier, timeout_s
         self.workers = workers if workers is not None else {}
         self.evaluators = evaluators

@@ -26,6 +26,7 @@ import msgpack
 from envs.episode import ReplayError
 from learner.config import LearnerConfig
 from learner.orchestrate.evaluations import EvalBoard
+from learner.orchestrate.hosting import EpisodeHost
 from learner.orchestrate.journal import RolloutJournal
 from learner.orchestrate.leases import Lease, LeaseError, LeaseTable
 from learner.orchestrate.replay import ReplayBuffer
@@ -90,6 +91,8 @@ class RolloutIntake:
         self.evals: EvalBoard | None = None  # held-out evaluation leases (learner.orchestrate.evaluations)
         self.tokens_accepted = 0  # sampled tokens of all accepted rollouts: mean length turns tokens/s to rollouts/s
         self.episodes = prompts.source.episodes  # a multi-turn environment's rules, or None
+        hosted = self.episodes is not None and self.episodes.spec.hosted  # the learner steps the environment
+        self.hosting = EpisodeHost(self.episodes, vocab_size, self._live_lease) if hosted else None
         self._lock = threading.Lock()
         # lease -> (worker, digest of what it sent, our reply) of the last ANSWERED_KEPT submissions taken: a worker
         # that lost our reply (a cut link) sends the same rollouts again and gets the same answer, nothing counted
@@ -97,6 +100,13 @@ class RolloutIntake:
         # checked waits for its answer (_checking: lease -> worker, digest, set when answered)
         self._answered: OrderedDict[int, tuple[str, bytes, RolloutReply]] = OrderedDict()
         self._checking: dict[int, tuple[str, bytes, threading.Event]] = {}
+
+    def _live_lease(self, lease_id: int) -> tuple[str, list[GenerationRequest]] | None:
+        """A live training lease's worker and its groups' requests (what a hosted environment's host serves)."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return None
+        return lease.worker, [self.prompts.request(g, self.cfg.grpo.group_size) for g in lease.group_ids]
 
     def submit(self, worker: WorkerRecord, msg: dict) -> RolloutReply:
         arrived = time.monotonic()  # the worker's lease time ends here, not after our own checks
@@ -173,6 +183,8 @@ class RolloutIntake:
         version = submission.version
         problems = [self.prompts[g] for g in lease.group_ids]
         try:
+            if self.hosting is not None:  # a hosted environment's episodes must be those the learner stepped
+                self.hosting.check(lease.lease_id, submission)
             scored = score_groups(
                 self.prompts.task, self.prompts.policy, [p for p, _ in problems], [ids for _, ids in problems],
                 [g.completions for g in submission.groups], version, self.cfg.grpo.advantage_std,
