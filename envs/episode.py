@@ -296,11 +296,12 @@ class HostedEpisode:
     def __init__(self, rules: EpisodeRules, request: GenerationRequest, index: int) -> None:
         assert rules.make_env is not None, "the learner holds a hosted environment's factory"
         self.rules, self.last = rules, None
-        self.live = _Live(rules.make_env(), request, index, Completion([], [], "length", [], 0.0))
+        self.live = _Live(None, request, index, Completion([], [], "length", [], 0.0))
         try:
+            self.live.env = rules.make_env()
             self.live.env.reset(request.episode)
         except Exception as exc:  # noqa: BLE001 - the environment's failure: the episode ends at its first turn
-            self.live.error = f"reset: {failure(exc)}"
+            self.live.error = f"start: {failure(exc)}"
 
     def turn(self, k: int, tokens: list[int]) -> EpisodeStep:
         """Step on the episode's turn `k`; the same turn sent again (a reply lost on the way) gets the same

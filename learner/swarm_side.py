@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from learner.config import LearnerConfig
 from learner.orchestrate.handlers import LearnerService
+from learner.orchestrate.hosting import STEP_CONCURRENCY, env_step_limits
 from learner.orchestrate.journal import JournalState, RolloutJournal, read_journal
 from learner.orchestrate.publisher import Publisher
 from learner.orchestrate.verify import RolloutVerifier
@@ -85,6 +86,8 @@ class SwarmSide:
         self.seeder.close()  # stops the host that dials announced addresses back
         self.host.stop()
         self.journal.close()
+        if self.service.intake.hosting is not None:  # a hosted environment's open episodes
+            self.service.intake.hosting.close()
 
 
 def refuse_departing_llamacpp(cfg: LearnerConfig, run: Run, probe: Callable[[ModelSpec], Engine | None] | None) -> None:
@@ -156,7 +159,7 @@ def start_swarm(
             seeder, cfg, policy, run.task, model_spec(policy), publisher.run_id, journal, verifier, resumed
         )
         if service.intake.hosting is not None:  # --env-host learner: workers ask it for every observation
-            host.handle(ENV_STEP, service.intake.hosting.step)
+            host.handle(ENV_STEP, service.intake.hosting.step, STEP_CONCURRENCY, limits=env_step_limits(cfg))
         # the address file says "ready": written only once every protocol has its handler, so that a
         # worker or `status` dialing it at once is answered rather than told "protocol not supported"
         addr_file.with_suffix(".tmp").write_text(host.addrs[0] + "\n")

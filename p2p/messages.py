@@ -407,9 +407,10 @@ def _map(msg: object, key: str) -> dict:
     return msg
 
 
-# the worker protocol's version: 4 fetches a version's chunks from the learner by claims (the learner picks
-# which), 3 sends a spec's vocabulary zstd-compressed, 2 added model families (ModelSpec.hf_config), 1 had none
-PROTOCOL = 4
+# the worker protocol's version: 5 adds hosted environments (ENV_STEP, EnvSpec.hosted) and tool calls (the chat
+# format's tool fields), 4 fetches a version's chunks from the learner by claims (the learner picks which), 3
+# sends a spec's vocabulary zstd-compressed, 2 added model families (ModelSpec.hf_config), 1 had none
+PROTOCOL = 5
 UPGRADE = "pip install -U echo-rl, or git pull && ./scripts/setup.sh in a checkout"
 
 

@@ -3,7 +3,7 @@ on an emulated last mile (echo_cli/netlab.py Wan), the last K workers behind NAT
 workers run `worker join` with its defaults (it listens on every interface: the site's own address), so this
 is the README's worker line on a network that is not loopback. Reports, per worker, its round trip to the
 learner, whether it is behind NAT, the versions it installed of those published, and its accepted groups
-per second. Root only.
+per second (and an environment's turns per episode). Root only.
 
     .venv/bin/python scripts/bench_wan_swarm.py --workers 4 --nat 2 --rtt 40-160 --steps 20 --model tiny
 """
@@ -91,8 +91,10 @@ def main() -> None:
                     "groups_per_s": round(accepted / seconds, 3), "punched": row.get("punched", 0),
                     "tracebacks": log.count("Traceback"),
                 })  # fmt: skip
+            episodes = [m["turns_per_episode"] for m in metrics if "turns_per_episode" in m]  # an --env run's
+            turns = {"turns_per_episode": round(sum(episodes) / len(episodes), 2)} if episodes else {}
             print(json.dumps({"steps": len(metrics), "versions_published": len(metrics) + 1,
-                              "seconds": round(seconds, 1), "workers": rows}))  # fmt: skip
+                              "seconds": round(seconds, 1), **turns, "workers": rows}))  # fmt: skip
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -15,7 +15,7 @@ from learner.orchestrate.hosting import EpisodeHost
 from learner.rollout_source import RolloutSource
 from learner.tasks.environment import EnvironmentTask
 from learner.train.models import chat_format
-from p2p.host import BadRequest
+from p2p.host import BadRequest, Misbehaviour
 from p2p.messages import (
     EnvStepReply,
     EnvStepRequest,
@@ -39,8 +39,9 @@ def hosted_rules(tiny, name=NOISY, **budgets):
     return learner, worker
 
 
-def host_for(learner_rules, requests, worker="w1", lease=7):
-    return EpisodeHost(learner_rules, 1 << 20, lambda lid: (worker, list(requests)) if lid == lease else None)
+def host_for(learner_rules, requests, worker="w1", lease=7, others=None):
+    leases = {lease: (worker, list(requests)), **(others or {})}  # the live leases: id -> (worker, requests)
+    return EpisodeHost(learner_rules, 1 << 20, leases.get)
 
 
 def play_through(host, worker_rules, requests, turns, worker="w1", lease=7):
@@ -83,11 +84,12 @@ def test_a_worker_that_alters_a_hosted_episode_is_caught(tiny, forge):
         group[0] = dataclasses.replace(first, reward=first.reward + 1)
     elif forge == "turns":
         group[0] = dataclasses.replace(first, spans=first.spans[:-2], tokens=first.tokens[: -first.spans[-1] - 1])
-    with pytest.raises(ReplayError, match="the learner hosted|not hosted here"):
-        if forge == "unplayed":  # a lease the learner never hosted (or closed)
+    if forge == "unplayed":  # a lease the learner never hosted (or no longer does): refused, not a forgery
+        with pytest.raises(BadRequest, match="not hosted here"):
             host.check(8, RolloutSubmission(8, 0, [GroupSubmission(0, group)]))
-        else:
-            host.check(7, RolloutSubmission(7, 0, [GroupSubmission(0, group)]))
+        return
+    with pytest.raises(ReplayError, match="the learner hosted"):
+        host.check(7, RolloutSubmission(7, 0, [GroupSubmission(0, group)]))
 
 
 def test_the_host_steps_only_its_workers_episodes_in_order(tiny):
@@ -102,12 +104,16 @@ def test_the_host_steps_only_its_workers_episodes_in_order(tiny):
 
     first = step((0, 0, 0, turn))
     assert step((0, 0, 0, turn)) == first  # the same turn again (a lost reply): the same answer
-    for bad, why in [
-        (dict(worker="w2"), "not a live lease of yours"),
-        (dict(lease=8), "not a live lease of yours"),
-    ]:
-        with pytest.raises(BadRequest, match=why):
-            step((0, 0, 1, turn), **bad)
+    with pytest.raises(Misbehaviour, match="another worker's"):
+        step((0, 0, 1, turn), worker="w2")
+    with pytest.raises(BadRequest, match="not a live lease of yours"):
+        step((0, 0, 1, turn), lease=8)
+    with pytest.raises(BadRequest, match="two turns in one request"):
+        step((0, 1, 0, turn), (0, 1, 0, turn))
+    host._leases[7].lock.acquire()  # a step of this lease under way: the next is refused, not queued
+    with pytest.raises(BadRequest, match="under way"):
+        step((0, 1, 0, turn))
+    host._leases[7].lock.release()
     for t, why in [
         ((0, 0, 0, [stop]), "not episode 0's next"),  # turn 0 again, but another one
         ((0, 0, 2, turn), "not episode 0's next"),  # skipping a turn
@@ -123,6 +129,19 @@ def test_the_host_steps_only_its_workers_episodes_in_order(tiny):
         with pytest.raises(MessageError):
             host.step("w1", {"lease": 7, "turns": turns})
     assert step((0, 0, 1, turn))["steps"][0][1] is False  # the episode goes on
+
+
+def test_a_workers_new_lease_closes_its_last_and_a_broken_environment_ends_its_episode(tiny):
+    learner, worker = hosted_rules(tiny)
+    requests = [GenerationRequest(tiny.render_prompt("Say a number."), 1, 0, episode=5)]
+    host = host_for(learner, requests, others={9: ("w1", requests)})
+    play_through(host, worker, requests, ["1", "2", "3"], lease=7)
+    play_through(host, worker, requests, ["1", "2", "3"], lease=9)  # a worker holds one live lease: 7 is over
+    with pytest.raises(BadRequest, match="not hosted here"):
+        host.check(7, RolloutSubmission(7, 0, []))
+    broken = dataclasses.replace(learner, make_env=lambda: 1 / 0)
+    [[episode]] = play_through(host_for(broken, requests), worker, requests, ["1", "2"])
+    assert episode.finish_reason == "error" and len(episode.spans) == 1
 
 
 def test_a_hosted_environment_trains_through_a_worker_and_a_forger_is_flagged(swarm, tmp_path):

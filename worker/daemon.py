@@ -268,8 +268,16 @@ class WorkerDaemon:
         hosted = self.episodes is not None and self.episodes.spec.hosted  # the learner steps the environment
 
         def remote(turns: list[EpisodeTurn]) -> list[EpisodeStep]:  # one round trip per round of turns
-            reply = self._request(ENV_STEP, EnvStepRequest(lease.id, turns).to_wire(), timeout=HOSTED_STEP_TIMEOUT)
-            return EnvStepReply.from_wire(reply, len(turns)).steps
+            message, wait = EnvStepRequest(lease.id, turns).to_wire(), 1.0
+            while True:
+                try:
+                    reply = self._request(ENV_STEP, message, timeout=HOSTED_STEP_TIMEOUT)
+                    return EnvStepReply.from_wire(reply, len(turns)).steps
+                except PeerUnavailable:  # a cut link or a lost reply: the learner answers the same turns alike
+                    if self.stop.is_set() or time.monotonic() + wait > leased_at + lease.deadline_s:
+                        raise
+                    self.stop.wait(wait)
+                    wait = min(wait * 2, 10.0)
 
         try:  # an environment's groups are episodes, played turn by turn; greedy ones: held-out evaluation
             groups = generate_rollouts(self.engine.generate, requests, lease.params, self.episodes,

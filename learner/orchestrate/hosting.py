@@ -1,32 +1,49 @@
 """The learner's side of a hosted environment (`--env-host learner`, docs/environments.md): it steps the
-environment of every episode its workers play, one round trip per turn, so the environment need not be
-deterministic (a tool with a clock, a sandbox with timeouts, a service) and is never replayed.
+environment of every episode its workers play, one round trip per round of turns, so the environment need
+not be deterministic (a tool with a clock, a sandbox with timeouts, a service) and is never replayed.
 
-    ENV_STEP          -> step(worker, msg): for a live lease of that worker (`live_lease`: its groups'
-                         requests), each turn of the request stepped on the episode's own environment
+    ENV_STEP          -> step(worker, msg): for the worker's live lease (`live_lease`: its owner and its
+                         groups' requests), each turn of the request stepped on the episode's own environment
                          (envs.episode.HostedEpisode: created at its first turn, reset with the group's seed)
     ROLLOUT           -> check(lease, submission): every episode the worker claims must be, token for token,
                          the one the learner hosted, with its return; then the lease's environments are closed
 
-A worker can make the learner step only the episodes of a lease it holds, each turn once and in order,
-within the run's budgets (a turn sent again gets the same answer); at most MAX_LEASES leases are hosted at
-once (the oldest are closed first: a lease that expired unanswered stays until then). Steps run under the
-lease's own lock: one worker's slow tool does not hold up another's.
+A worker steps only its own live lease's episodes (another's lease is misbehaviour), each turn once and in
+order (a turn sent again gets the same answer), at most one turn per episode per request, within the run's
+budgets; a step of a lease that is already stepping is refused, not queued. A worker holds one live lease,
+so opening a new one closes its previous lease's environments, as does a lease that is no longer live when
+stepped; at most MAX_LEASES leases are hosted at once. A submission for episodes the learner no longer
+hosts is refused without a flag (BadRequest): only an episode that differs from the hosted one is a forgery.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from envs import failure
 from envs.episode import EpisodeRules, HostedEpisode, ReplayError
-from p2p.host import BadRequest
+from learner.config import LearnerConfig
+from p2p.host import BadRequest, Misbehaviour
 from p2p.messages import EnvStepReply, EnvStepRequest, GenerationRequest, RolloutSubmission
+from p2p.wire import FrameLimits
 
-MAX_LEASES = 256  # leases whose episodes are hosted at once
+MAX_LEASES = 1024  # leases whose episodes are hosted at once (one per worker)
+STEP_CONCURRENCY = 8  # ENV_STEP requests answered at once: the other protocols keep their threads
 LiveLease = Callable[[int], tuple[str, list[GenerationRequest]] | None]  # a live lease's worker and requests
+log = logging.getLogger(__name__)
+
+
+def env_step_limits(cfg: LearnerConfig) -> FrameLimits:
+    """What one ENV_STEP request may hold: a turn of every episode of a lease, at most 9 bytes of msgpack a
+    token plus framing; twice that, as slack."""
+    episodes = cfg.swarm.groups_per_lease * cfg.grpo.group_size
+    size = episodes * (9 * cfg.sampler.max_new_tokens + 32) + 1024
+    return FrameLimits(max_bytes=2 * size, max_array=max(cfg.sampler.max_new_tokens, episodes, 16), max_map=8,
+                       max_str=64, max_bin=0)  # fmt: skip
 
 
 @dataclass
@@ -35,10 +52,18 @@ class _HostedLease:
     requests: dict[int, GenerationRequest]  # by group
     episodes: dict[tuple[int, int], HostedEpisode] = field(default_factory=dict)  # (group, completion) ->
     lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
 
     def close(self) -> None:
-        for episode in self.episodes.values():
-            episode.close()
+        """Close its environments (under its lock: a step on it may be under way)."""
+        with self.lock:
+            self.closed = True
+            for episode in self.episodes.values():
+                try:
+                    episode.close()
+                except Exception as exc:  # noqa: BLE001 - the environment's close(): logged, the rest closed
+                    log.warning("a hosted environment's close() raised: %s", failure(exc))
+            self.episodes.clear()
 
 
 class EpisodeHost:
@@ -52,42 +77,67 @@ class EpisodeHost:
     def step(self, worker: str, msg: dict) -> dict:
         """Answer one ENV_STEP request (p2p.messages.EnvStepRequest) of `worker`."""
         request = EnvStepRequest.from_wire(msg, self.rules.spec.turn_tokens)
-        evicted = []
-        with self._lock:
-            lease = self._leases.get(request.lease)
-            if lease is None and (live := self.live_lease(request.lease)) is not None:
-                lease = self._leases[request.lease] = _HostedLease(live[0], {r.group: r for r in live[1]})
-                while len(self._leases) > MAX_LEASES:
-                    evicted.append(self._leases.popitem(last=False)[1])
-        for old in evicted:  # under its own lock: a step on it may be under way
-            with old.lock:
-                old.close()
-        if lease is None or lease.worker != worker:
-            raise BadRequest(f"lease {request.lease} is not a live lease of yours")
-        steps = []
-        with lease.lock:
-            for turn in request.turns:
+        lease = self._lease(worker, request.lease)
+        if not lease.lock.acquire(blocking=False):
+            raise BadRequest(f"a step of lease {request.lease} is under way: send the next after its answer")
+        try:
+            if lease.closed:
+                raise BadRequest(f"lease {request.lease} is over")
+            seen: set[tuple[int, int]] = set()
+            for turn in request.turns:  # the whole request is checked before any episode steps
                 group = lease.requests.get(turn.group)
                 if group is None or not group.completion <= turn.completion < group.completion + group.group_size:
                     raise BadRequest(f"episode {turn.completion} of group {turn.group} is not in lease {request.lease}")
+                if (turn.group, turn.completion) in seen:
+                    raise BadRequest(f"episode {turn.completion} of group {turn.group} has two turns in one request")
+                seen.add((turn.group, turn.completion))
                 if turn.tokens and max(turn.tokens) >= self.vocab_size:
                     raise BadRequest(f"a turn's token ids must be below the vocabulary's {self.vocab_size}")
+            steps = []
+            for turn in request.turns:
                 key = (turn.group, turn.completion)
                 if key not in lease.episodes:
-                    lease.episodes[key] = HostedEpisode(self.rules, group, turn.completion)
+                    lease.episodes[key] = HostedEpisode(self.rules, lease.requests[turn.group], turn.completion)
                 try:
                     steps.append(lease.episodes[key].turn(turn.turn, turn.tokens))
                 except ReplayError as exc:
                     raise BadRequest(str(exc)) from None
+        finally:
+            lease.lock.release()
         return EnvStepReply(steps).to_wire()
 
+    def _lease(self, worker: str, lease_id: int) -> _HostedLease:
+        """The worker's hosted lease `lease_id`, opened at its first step; the worker's other hosted leases
+        (and this one, once it is no longer live) are closed."""
+        live = self.live_lease(lease_id)
+        if live is not None and live[0] != worker:
+            raise Misbehaviour(f"lease {lease_id} is another worker's")
+        stale: list[_HostedLease] = []
+        with self._lock:
+            if live is None:
+                lease = self._leases.pop(lease_id, None)
+                stale += [lease] if lease is not None else []
+            else:
+                lease = self._leases.get(lease_id)
+                if lease is None:
+                    stale += [self._leases.pop(k) for k, v in list(self._leases.items()) if v.worker == worker]
+                    lease = self._leases[lease_id] = _HostedLease(worker, {r.group: r for r in live[1]})
+                    while len(self._leases) > MAX_LEASES:
+                        stale.append(self._leases.popitem(last=False)[1])
+        for old in stale:
+            old.close()
+        if live is None:
+            raise BadRequest(f"lease {lease_id} is not a live lease of yours")
+        return lease
+
     def check(self, lease_id: int, submission: RolloutSubmission) -> None:
-        """Raise ReplayError unless every episode of the submission is the one the learner hosted; the lease's
-        environments are closed either way."""
+        """Raise ReplayError unless every episode of the submission is the one the learner hosted (BadRequest
+        when the learner no longer hosts them: they cannot be checked, and nothing says they are forged); the
+        lease's environments are closed either way."""
         with self._lock:
             lease = self._leases.pop(lease_id, None)
         if lease is None:
-            raise ReplayError(f"lease {lease_id}'s episodes were not hosted here (or no longer are)")
+            raise BadRequest(f"lease {lease_id}'s episodes are not hosted here (any more): they cannot be checked")
         try:
             with lease.lock:
                 for group in submission.groups:
@@ -97,7 +147,7 @@ class EpisodeHost:
                     for j, completion in enumerate(group.completions):
                         episode = lease.episodes.get((group.group, first + j))
                         if episode is None:
-                            raise ReplayError(f"episode {first + j} of group {group.group} was never played here")
+                            raise BadRequest(f"episode {first + j} of group {group.group} was not played here")
                         episode.check(completion)
         finally:
             lease.close()
@@ -107,4 +157,3 @@ class EpisodeHost:
             leases, self._leases = list(self._leases.values()), OrderedDict()
         for lease in leases:
             lease.close()
-

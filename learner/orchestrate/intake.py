@@ -104,7 +104,7 @@ class RolloutIntake:
     def _live_lease(self, lease_id: int) -> tuple[str, list[GenerationRequest]] | None:
         """A live training lease's worker and its groups' requests (what a hosted environment's host serves)."""
         lease = self.leases.get(lease_id)
-        if lease is None:
+        if lease is None or time.monotonic() > lease.deadline:
             return None
         return lease.worker, [self.prompts.request(g, self.cfg.grpo.group_size) for g in lease.group_ids]
 
