@@ -48,7 +48,7 @@ class EnvError(ValueError):
     """An environment name, plugin spec or argument that cannot be used; the message says what is allowed."""
 
 
-ENV_NAMES = ("sokoban", "calculator", "calculator-tools", "kuhn-poker", "module:Class", "verifiers:ENV_ID")
+ENV_NAMES = ("sokoban", "calculator", "calculator-tools", "python", "kuhn-poker", "module:Class", "verifiers:ENV_ID")
 
 EnvFactory = Callable[[], Environment]
 
@@ -56,10 +56,11 @@ EnvFactory = Callable[[], Environment]
 def builtin_envs() -> dict[str, type]:
     from envs.calculator import CalculatorEnv, CalculatorToolEnv
     from envs.kuhn_poker import KuhnPokerEnv
+    from envs.python_tool import PythonToolEnv
     from envs.sokoban import SokobanEnv
 
     return {"sokoban": SokobanEnv, "calculator": CalculatorEnv, "calculator-tools": CalculatorToolEnv,
-            "kuhn-poker": KuhnPokerEnv}  # fmt: skip
+            "python": PythonToolEnv, "kuhn-poker": KuhnPokerEnv}  # fmt: skip
 
 
 def make_env(name: str, args: dict[str, Any] | None = None) -> EnvFactory:

@@ -181,6 +181,9 @@ def environment_task(cfg: LearnerConfig, policy: Policy, envs: EnvFactory) -> En
     env = cfg.env
     spec = EnvSpec(env.env, env.env_args, env.max_turns, env.max_episode_tokens, cfg.sampler.max_new_tokens,
                    hosted=env.env_host == "learner")  # fmt: skip
+    if not spec.hosted and not getattr(envs(), "replayable", True):
+        raise ConfigError(f"environment {env.env!r} is not reproducible, so its episodes cannot be replayed: "
+                          "train it with --env-host learner (co-located too)")  # fmt: skip
     return EnvironmentTask(EpisodeRules(spec, envs, chat_format(policy)))
 
 

@@ -31,9 +31,10 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -x "$VENV/bin/echo-rl
 fi
 
 # System packages: a compiler and cmake for llama.cpp, libgmp-dev for py-libp2p's fastecdsa, iproute2 and
-# iptables for the tests that build a NAT router in network namespaces (echo_cli/netlab.py).
+# iptables for the tests that build a NAT router in network namespaces (echo_cli/netlab.py), bubblewrap for
+# the python environment's sandbox (envs/python_tool.py).
 missing=()
-for pkg in gcc g++ cmake libgmp-dev iproute2 iptables; do
+for pkg in gcc g++ cmake libgmp-dev iproute2 iptables bubblewrap; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -256,3 +256,37 @@ def test_a_tool_environment_trains_colocated_with_qwen3s_template(qwen3, tmp_pat
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in rows] == [1, 2] and all(m["turns_per_episode"] >= 1 for m in rows)
+
+
+def test_the_python_tool_runs_code_in_a_sandbox_with_limits():
+    env = make_env("python", {"timeout_s": 1.0, "memory_mb": 128})()
+    (run_python,) = env.tools
+    assert get_json_schema(run_python)["function"]["name"] == "run_python"
+    assert run_python("print(sum(map(int, str(2**100))))") == "115\n"
+    for code, why in [
+        ("while True: pass", "ran past its 1 s"),
+        ("x = bytearray(10**9)", "MemoryError"),
+        ("import socket; socket.create_connection(('10.0.0.1', 80), timeout=0.5)", "Network is unreachable"),
+        (f"open({str(TEMPLATES / 'x')!r}, 'w')", "Read-only file system"),
+        ("open('/tmp/big', 'w').write('x' * (2 << 20))", "File too large"),
+        ("import os\nwhile True: os.fork()", "Resource temporarily unavailable"),
+        ("print('x' * 10**6)", "x" * 100),
+    ]:
+        out = run_python(code)
+        assert why in out and len(out) <= 2000 + 100, (code, out[-300:])
+    assert run_python("pass") == "(the program printed nothing: print the result)"
+    problem = env.reset(3)
+    assert "Use the run_python tool" in problem and env.step(f"It is {env.answer}.").reward == 1.0
+
+
+def test_the_python_environment_trains_hosted_only(tmp_path):
+    res = run_cli("learner", "start", "--colocated", "--model", "tiny", "--env", "python", "--run-dir",
+                  str(tmp_path / "R"))  # fmt: skip
+    assert res.returncode == 2 and "not reproducible" in res.stderr and "--env-host learner" in res.stderr
+    run = tmp_path / "S"
+    res = run_cli("learner", "start", "--colocated", "--model", "tiny", "--env", "python", "--env-host", "learner",
+                  "--steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16",
+                  "--run-dir", str(run))  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in rows] == [1, 2]
