@@ -1,12 +1,15 @@
 """A code tool: the model runs Python in a sandbox to answer number questions (`--env python`).
 
 The sandbox is bubblewrap (`bwrap`, the sandbox Flatpak runs applications in), not code of ours: every
-namespace it supports is new (no network at all, its own process tree, which dies with the tool's call), the
-host's filesystem is mounted read-only, /tmp is a fresh tmpfs of TMP_BYTES (the only place it can write), the
-environment variables are cleared, and the interpreter runs isolated (`python -I`). Resource limits are set
-by util-linux's `prlimit` before bwrap starts: CPU seconds, address space (`memory_mb`), written file size,
-open files and processes (sandbox_command); a wall-clock timeout (`timeout_s`) kills the whole tree. What
-the program prints (stdout, then stderr) comes back, cut at MAX_OUTPUT characters.
+namespace it supports is new (no network at all, its own process tree, which dies with the tool's call; no
+user namespaces inside it), only the system's /usr, /lib, /bin and the interpreter's prefixes are mounted,
+read-only (no home, no run directory, no /run sockets), /dev is read-only, /tmp is a fresh tmpfs of TMP_BYTES
+(the only place it can write), and the interpreter runs isolated (`python -I`) as the namespace's first
+process (no bwrap init to outlive the call as a zombie) in an empty environment (bwrap starts with one too).
+util-linux's `prlimit` sets CPU seconds, address space (`memory_mb`, per process), written file size, open
+files and processes (sandbox_command); `choom` makes the sandbox what the kernel kills first when memory runs
+out; a wall-clock timeout (`timeout_s`) kills the whole tree. What the program prints (stdout, then stderr)
+goes to a file under the same size limit and comes back, cut at MAX_OUTPUT characters.
 
 A time limit is not reproducible (a program near it finishes on one machine and not on another), so this
 environment cannot be replayed: it trains hosted by the learner only (`--env python --env-host learner`).
@@ -15,13 +18,13 @@ environment cannot be replayed: it trains hosted by the learner only (`--env pyt
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import random
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 from envs import EnvError, Step
@@ -31,27 +34,37 @@ from envs.tools import ToolEnv
 MAX_OUTPUT = 2000  # characters of a run's output shown to the model
 MAX_CODE = 8000  # characters of a program
 TMP_BYTES = 16 << 20  # the sandbox's writable /tmp
+MAX_FILE = 1 << 20  # bytes of one file the program writes, its output included
 
 
 NOBODY = 65534  # the user a root learner's sandbox runs as
-MAX_PROCESSES = 32  # processes and threads a program may add
+MAX_PROCESSES = 8  # processes and threads a program may add (a root learner's: all its sandboxes together)
+CLEAN_ENV = {"PATH": "/usr/bin:/bin"}  # bwrap's own init process keeps the environment it was started with
 
 
 def sandbox_command(timeout_s: float, memory_mb: int) -> list[str]:
-    """The command up to the program: util-linux's prlimit sets the limits (not a preexec_fn: the learner that
-    hosts this runs threads) and execs bwrap, whose sandboxed interpreter inherits them. Root's processes are
-    not counted against a process limit, so a root learner's sandbox runs as nobody (setpriv), with the system
-    interpreter (one nobody can read); another user's runs as that user with MAX_PROCESSES beyond the tasks
-    it runs already."""
+    """The command up to the program (module docstring). util-linux's choom makes the sandbox the first the
+    kernel kills when memory runs out, and its prlimit sets the limits (not a preexec_fn: the learner that
+    hosts this runs threads) and execs bwrap, whose interpreter inherits them. Root's processes are not
+    counted against a process limit, so a root learner's sandbox runs as nobody (setpriv) with the system
+    interpreter; another user's runs as that user with MAX_PROCESSES beyond the tasks it runs already. Only
+    the system's /usr (and /lib, /bin) and the interpreter's own prefixes are mounted, read-only: no home,
+    no run directory, no /run sockets."""
     root = os.geteuid() == 0
     tasks = MAX_PROCESSES + (0 if root else _tasks_of(os.getuid()))
     drop = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"] if root else []
-    python = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") if root else sys.executable
-    limits = ["prlimit", f"--cpu={math.ceil(timeout_s)}", f"--as={memory_mb << 20}", f"--fsize={1 << 20}",
+    python = shutil.which("python3", path="/usr/bin:/bin") if root else os.path.realpath(sys.executable)
+    if python is None:
+        raise EnvError("environment python needs the system's python3 (/usr/bin/python3) for its sandbox")
+    prefixes = {"/usr"} if root else {"/usr", sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(python))}
+    binds = [arg for p in sorted(prefixes) for arg in ("--ro-bind-try", p, p)]
+    binds += [arg for p in ("/lib", "/lib64", "/bin") for arg in ("--ro-bind-try", p, p)]  # merged /usr or not
+    limits = ["prlimit", f"--cpu={math.ceil(timeout_s)}", f"--as={memory_mb << 20}", f"--fsize={MAX_FILE}",
               "--nofile=64", f"--nproc={tasks}"]  # fmt: skip
-    return [*drop, *limits, "bwrap", "--ro-bind", "/", "/", "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
-            "--proc", "/proc", "--dev", "/dev", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
-            "--chdir", "/tmp", str(python), "-I", "-c"]  # fmt: skip
+    return ["choom", "-n", "1000", "--", *drop, *limits, "bwrap", *binds, "--size", str(TMP_BYTES), "--tmpfs",
+            "/tmp", "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev", "--unshare-all", "--unshare-user",
+            "--disable-userns", "--assert-userns-disabled", "--as-pid-1", "--die-with-parent", "--new-session",
+            "--clearenv", "--chdir", "/tmp", python, "-I", "-c"]  # fmt: skip
 
 
 def _tasks_of(uid: int) -> int:
@@ -68,14 +81,23 @@ def run_sandboxed(code: str, timeout_s: float, memory_mb: int) -> str:
     """Run Python `code` in the sandbox; its output, or why it stopped."""
     if len(code) > MAX_CODE:
         return f"error: a program may have at most {MAX_CODE} characters"
-    try:
-        done = subprocess.run([*sandbox_command(timeout_s, memory_mb), code], capture_output=True,
-                              timeout=timeout_s, stdin=subprocess.DEVNULL, check=False)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return f"error: the program ran past its {timeout_s:g} s and was stopped"
-    out = (done.stdout + done.stderr).decode("utf-8", "replace")
-    if done.returncode < 0:
-        out += f"\n(stopped by signal {-done.returncode}: past a limit of time or memory)"
+    if "\0" in code or any(0xD800 <= ord(c) < 0xE000 for c in code):
+        return "error: a program cannot hold NUL characters or lone surrogates"
+    # the output goes to a file, where the 1 MB file-size limit bounds it too (a pipe read into memory would not)
+    with tempfile.TemporaryFile() as output:
+        try:
+            done = subprocess.run([*sandbox_command(timeout_s, memory_mb), code], stdout=output, stderr=output,
+                                  timeout=timeout_s, stdin=subprocess.DEVNULL, env=CLEAN_ENV, check=False)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return f"error: the program ran past its {timeout_s:g} s and was stopped"
+        size = output.seek(0, os.SEEK_END)
+        output.seek(max(size - 4 * MAX_OUTPUT, 0))
+        out = output.read().decode("utf-8", "replace")
+    if size >= MAX_FILE:
+        out += "\n(the output was cut at 1 MB)"
+    if done.returncode < 0 or done.returncode > 128:  # killed (bwrap reports its program's signal as 128 + n)
+        code_ = abs(done.returncode)
+        out += f"\n(exit status {code_}: probably stopped by signal {code_ % 128}, past a limit of time or memory)"
     return out[-MAX_OUTPUT:] if out.strip() else "(the program printed nothing: print the result)"
 
 
@@ -91,7 +113,7 @@ class PythonToolEnv(ToolEnv):
     replayable = False  # a time limit is not reproducible: hosted by the learner only
 
     def __post_init__(self) -> None:
-        if not all(shutil.which(tool) for tool in ("bwrap", "prlimit", "setpriv")):
+        if not all(shutil.which(tool) for tool in ("bwrap", "prlimit", "setpriv", "choom")):
             raise EnvError("environment python runs code in bubblewrap under prlimit: install them (apt-get install "
                            "bubblewrap util-linux)")
         if not 0.1 <= self.timeout_s <= 60 or not 32 <= self.memory_mb <= 4096:
@@ -128,10 +150,17 @@ class PythonToolEnv(ToolEnv):
         return Step(reward=1.0 if last_integer(action) == self.answer else 0.0, done=True)
 
 
-@functools.cache
+_SANDBOX_WORKS: list[bool] = []  # set once a probe printed 42 (a failure is tried again next time)
+
+
 def _sandbox_probe() -> str:
     """What a sandboxed `print(6 * 7)` prints: "42" where bwrap, prlimit and the interpreter work together."""
-    return run_sandboxed("print(6 * 7)", 10.0, 256)
+    if _SANDBOX_WORKS:
+        return "42"
+    out = run_sandboxed("print(6 * 7)", 10.0, 256)
+    if out.strip() == "42":
+        _SANDBOX_WORKS.append(True)
+    return out
 
 
 def _primes_below(n: int) -> int:

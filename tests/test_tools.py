@@ -267,14 +267,23 @@ def test_the_python_tool_runs_code_in_a_sandbox_with_limits():
         ("while True: pass", "ran past its 1 s"),
         ("x = bytearray(10**9)", "MemoryError"),
         ("import socket; socket.create_connection(('10.0.0.1', 80), timeout=0.5)", "Network is unreachable"),
-        (f"open({str(TEMPLATES / 'x')!r}, 'w')", "Read-only file system"),
+        ("open('/usr/x', 'w')", "Read-only file system"),
+        (f"open({str(TEMPLATES / 'x')!r}, 'w')", "No such file or directory"),  # not mounted: no home, no checkout
         ("open('/tmp/big', 'w').write('x' * (2 << 20))", "File too large"),
         ("import os\nwhile True: os.fork()", "Resource temporarily unavailable"),
         ("print('x' * 10**6)", "x" * 100),
+        ("open('/dev/shm/x', 'w')", "Read-only file system"),
+        ("import os; print(sorted(os.listdir('/')), open('/proc/1/environ').read())", "'usr']"),
+        ("import ctypes; print(ctypes.CDLL(None).unshare(0x10000000), ctypes.get_errno())", "-1"),  # no userns
     ]:
         out = run_python(code)
         assert why in out and len(out) <= 2000 + 100, (code, out[-300:])
     assert run_python("pass") == "(the program printed nothing: print the result)"
+    shown = run_python("import os; print(os.listdir('/')); print(open('/proc/1/environ').read())")
+    listing, environ = shown.split("\n")[:2]
+    assert set(eval(listing)) <= {"bin", "dev", "lib", "lib64", "proc", "tmp", "usr"}  # no home, no run directory
+    assert "HOME" not in environ and "PATH" not in environ  # nothing of the learner's environment
+    assert "error" in run_python("print('\\x00')".replace("\\x00", "\x00"))  # a NUL: refused before it runs
     problem = env.reset(3)
     assert "Use the run_python tool" in problem and env.step(f"It is {env.answer}.").reward == 1.0
 
