@@ -112,10 +112,11 @@ class Evaluator:
         return self.source.episodes
 
     def requests(self) -> list[GenerationRequest]:
-        """One greedy request per prompt, then one of k samples per prompt (group i: prompt i in both)."""
+        """One greedy request per prompt, then one of k samples per prompt (group i: prompt i in both; the
+        greedy completion is number k, after the samples, so that each episode of a group has its own index)."""
         prompts = [self.source.prompt(p) for p in self.problems]
         pairs = list(enumerate(zip(self.problems, prompts, strict=True)))
-        greedy = [self.source.request(p, ids, 1, i, greedy=True) for i, (p, ids) in pairs]
+        greedy = [self.source.request(p, ids, 1, i, greedy=True, completion=self.samples) for i, (p, ids) in pairs]
         return greedy + [self.source.request(p, ids, self.samples, i) for i, (p, ids) in pairs]
 
     def evaluate(self, engine: Engine) -> dict:

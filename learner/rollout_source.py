@@ -54,10 +54,11 @@ class RolloutSource:
         return self.policy.render_prompt(problem.prompt, problem.tools)
 
     def request(
-        self, problem: Problem, prompt_ids: list[int], group_size: int, group: int, greedy: bool = False
+        self, problem: Problem, prompt_ids: list[int], group_size: int, group: int, greedy: bool = False,
+        completion: int = 0,
     ) -> GenerationRequest:
         episode = problem.answer if self.episodes is not None else None  # an environment's problem is a seed
-        return GenerationRequest(prompt_ids, group_size, group, greedy=greedy, episode=episode)
+        return GenerationRequest(prompt_ids, group_size, group, greedy=greedy, completion=completion, episode=episode)
 
     def generate(
         self, generate: Generate, requests: Sequence[GenerationRequest], params: SamplingParams

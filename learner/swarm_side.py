@@ -160,6 +160,8 @@ def start_swarm(
         )
         if service.intake.hosting is not None:  # --env-host learner: workers ask it for every observation
             host.handle(ENV_STEP, service.intake.hosting.step, STEP_CONCURRENCY, limits=env_step_limits(cfg))
+            if service.evals is not None:  # held-out episodes too
+                service.evals.hosting = service.intake.hosting
         # the address file says "ready": written only once every protocol has its handler, so that a
         # worker or `status` dialing it at once is answered rather than told "protocol not supported"
         addr_file.with_suffix(".tmp").write_text(host.addrs[0] + "\n")

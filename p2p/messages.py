@@ -517,6 +517,7 @@ class LeaseGrant:
             "groups": [
                 {"group": r.group, "prompt_ids": r.prompt_ids}
                 | ({"greedy": True} if r.greedy else {})
+                | ({"completion": r.completion} if r.completion else {})
                 | ({"episode": r.episode} if r.episode is not None else {})
                 for r in self.requests
             ],
@@ -539,8 +540,10 @@ class LeaseGrant:
             if not isinstance(greedy, bool):
                 raise MessageError("'greedy' must be true or false")
             episode = _int(g, "episode", 0, 2**63 - 1) if "episode" in g else None
+            completion = _int(g, "completion", 0, 1 << 16, 0)  # its first completion's index (a greedy one's: k)
             requests.append(GenerationRequest(_ints(g.get("prompt_ids"), "prompt_ids"), 1 if greedy else group_size,
-                                              _int(g, "group", 0, 2**63 - 1), greedy, episode=episode))  # fmt: skip
+                                              _int(g, "group", 0, 2**63 - 1), greedy, completion,
+                                              episode=episode))  # fmt: skip
         p = _map(msg.get("params"), "params")
         params = SamplingParams(
             _float(p, "temperature", 1e-6, 100.0), _float(p, "top_p", 1e-6, 1.0),

@@ -36,12 +36,12 @@ from typing import Any
 
 from envs.episode import ReplayError
 from learner.evaluation import Evaluator
+from learner.orchestrate.hosting import EpisodeHost
 from learner.orchestrate.rollouts import Rollout
 from learner.orchestrate.verify import RolloutVerifier
 from learner.orchestrate.workers import WorkerRecord
-from p2p.config import ConfigError
 from p2p.host import BadRequest, Misbehaviour
-from p2p.messages import Completion, LeaseGrant, RolloutSubmission
+from p2p.messages import Completion, GenerationRequest, LeaseGrant, RolloutSubmission
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +93,8 @@ class EvalBoard:
         self, evaluator: Evaluator, verifier: RolloutVerifier, timeout_s: float,
         workers: Mapping[str, WorkerRecord] | None = None, evaluators: int = EVALUATORS,
     ) -> None:  # fmt: skip
-        if evaluator.episodes is not None and evaluator.episodes.spec.hosted:  # its episodes are never replayed
-            raise ConfigError("held-out evaluation through workers does not host environments yet: with "
-                              "--env-host learner, drop --eval-every and evaluate with echo-rl eval")  # fmt: skip
         self.evaluator, self.verifier, self.timeout_s = evaluator, verifier, timeout_s
+        self.hosting: EpisodeHost | None = None  # a hosted environment's host (learner.orchestrate.hosting)
         self.workers = workers if workers is not None else {}
         self.evaluators = evaluators
         self.requests = evaluator.requests()  # rendered once: the same prompts at every evaluation
@@ -162,6 +160,15 @@ class EvalBoard:
                 "answers": 0 if self.round is None else len(self.round.answers), "issued": self.issued,
                 "expired": self.expired, "revoked": self.revoked, "last": self.last,
             }  # fmt: skip
+
+    def live(self, lease_id: int) -> tuple[str, list[GenerationRequest]] | None:
+        """A live evaluation lease's worker and its requests (what a hosted environment's host serves)."""
+        with self._lock:
+            r = self.round
+            lease = r.leases.get(lease_id) if r is not None else None
+            if lease is None or time.monotonic() > lease.deadline:
+                return None
+            return lease.worker, list(self.requests)
 
     def holds(self, lease_id: object) -> bool:
         with self._lock:
@@ -263,7 +270,9 @@ class EvalBoard:
             checked += measured
             doubts.append(doubt)
         groups = [g.completions for g in submission.groups]
-        try:  # an environment's episodes are replayed: one that does not reproduce is a forgery
+        try:  # an environment's episodes are replayed (or checked against the hosted ones): one that differs is forged
+            if self.hosting is not None:
+                self.hosting.check(lease.lease_id, submission)
             self.evaluator.score(groups)
         except ReplayError as exc:
             self.verifier.flag(peer, f"an evaluation episode does not replay: {exc}")

@@ -38,9 +38,11 @@ log = logging.getLogger(__name__)
 
 
 def env_step_limits(cfg: LearnerConfig) -> FrameLimits:
-    """What one ENV_STEP request may hold: a turn of every episode of a lease, at most 9 bytes of msgpack a
-    token plus framing; twice that, as slack."""
+    """What one ENV_STEP request may hold: a turn of every episode of a lease (an evaluation's too), at most 9
+    bytes of msgpack a token plus framing; twice that, as slack."""
     episodes = cfg.swarm.groups_per_lease * cfg.grpo.group_size
+    if cfg.eval.eval_every:  # an evaluation lease: a greedy episode and k sampled ones per held-out seed
+        episodes = max(episodes, cfg.eval.eval_prompts * (1 + cfg.eval.eval_samples))
     size = episodes * (9 * cfg.sampler.max_new_tokens + 32) + 1024
     return FrameLimits(max_bytes=2 * size, max_array=max(cfg.sampler.max_new_tokens, episodes, 16), max_map=8,
                        max_str=64, max_bin=0)  # fmt: skip
@@ -49,7 +51,7 @@ def env_step_limits(cfg: LearnerConfig) -> FrameLimits:
 @dataclass
 class _HostedLease:
     worker: str
-    requests: dict[int, GenerationRequest]  # by group
+    requests: list[GenerationRequest]  # in the lease's order (an evaluation lease has two requests per group)
     episodes: dict[tuple[int, int], HostedEpisode] = field(default_factory=dict)  # (group, completion) ->
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
@@ -84,20 +86,23 @@ class EpisodeHost:
             if lease.closed:
                 raise BadRequest(f"lease {request.lease} is over")
             seen: set[tuple[int, int]] = set()
+            holders = []
             for turn in request.turns:  # the whole request is checked before any episode steps
-                group = lease.requests.get(turn.group)
-                if group is None or not group.completion <= turn.completion < group.completion + group.group_size:
+                holder = next((r for r in lease.requests if r.group == turn.group
+                               and r.completion <= turn.completion < r.completion + r.group_size), None)  # fmt: skip
+                if holder is None:
                     raise BadRequest(f"episode {turn.completion} of group {turn.group} is not in lease {request.lease}")
+                holders.append(holder)
                 if (turn.group, turn.completion) in seen:
                     raise BadRequest(f"episode {turn.completion} of group {turn.group} has two turns in one request")
                 seen.add((turn.group, turn.completion))
                 if turn.tokens and max(turn.tokens) >= self.vocab_size:
                     raise BadRequest(f"a turn's token ids must be below the vocabulary's {self.vocab_size}")
             steps = []
-            for turn in request.turns:
+            for turn, holder in zip(request.turns, holders, strict=True):
                 key = (turn.group, turn.completion)
                 if key not in lease.episodes:
-                    lease.episodes[key] = HostedEpisode(self.rules, lease.requests[turn.group], turn.completion)
+                    lease.episodes[key] = HostedEpisode(self.rules, holder, turn.completion)
                 try:
                     steps.append(lease.episodes[key].turn(turn.turn, turn.tokens))
                 except ReplayError as exc:
@@ -121,7 +126,7 @@ class EpisodeHost:
                 lease = self._leases.get(lease_id)
                 if lease is None:
                     stale += [self._leases.pop(k) for k, v in list(self._leases.items()) if v.worker == worker]
-                    lease = self._leases[lease_id] = _HostedLease(worker, {r.group: r for r in live[1]})
+                    lease = self._leases[lease_id] = _HostedLease(worker, list(live[1]))
                     while len(self._leases) > MAX_LEASES:
                         stale.append(self._leases.popitem(last=False)[1])
         for old in stale:
@@ -140,10 +145,10 @@ class EpisodeHost:
             raise BadRequest(f"lease {lease_id}'s episodes are not hosted here (any more): they cannot be checked")
         try:
             with lease.lock:
-                for group in submission.groups:
-                    if group.group not in lease.requests:
-                        raise ReplayError(f"group {group.group} is not in lease {lease_id}")
-                    first = lease.requests[group.group].completion
+                if [g.group for g in submission.groups] != [r.group for r in lease.requests]:
+                    raise ReplayError(f"the submission's groups are not lease {lease_id}'s, in its order")
+                for request, group in zip(lease.requests, submission.groups, strict=True):
+                    first = request.completion
                     for j, completion in enumerate(group.completions):
                         episode = lease.episodes.get((group.group, first + j))
                         if episode is None:

@@ -105,7 +105,7 @@ class RolloutIntake:
         """A live training lease's worker and its groups' requests (what a hosted environment's host serves)."""
         lease = self.leases.get(lease_id)
         if lease is None or time.monotonic() > lease.deadline:
-            return None
+            return self.evals.live(lease_id) if self.evals is not None else None  # an evaluation's
         return lease.worker, [self.prompts.request(g, self.cfg.grpo.group_size) for g in lease.group_ids]
 
     def submit(self, worker: WorkerRecord, msg: dict) -> RolloutReply:
