@@ -22,7 +22,9 @@ def setup_logging(verbose: bool = False) -> None:
     handler = RichHandler(console=console, show_path=False, rich_tracebacks=True)
     handler.addFilter(DemoteLibp2p(keep_debug=verbose))  # its expected dial failures are ERROR records
     logging.basicConfig(level=logging.INFO, format="%(message)s", datefmt="[%X]", handlers=[handler], force=True)
-    for noisy in ("transformers", "accelerate", "urllib3", "filelock", "gguf", "libp2p", "multiaddr", "verifiers"):
+    noisy_libraries = ("transformers", "accelerate", "urllib3", "filelock", "gguf", "libp2p", "multiaddr", "verifiers",
+                       "openenv", "mcp", "httpx")  # fmt: skip
+    for noisy in noisy_libraries:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     for ours in ("echo_rl", "learner", "worker", "envs", "p2p"):
         logging.getLogger(ours).setLevel(logging.DEBUG if verbose else logging.INFO)

@@ -48,7 +48,8 @@ class EnvError(ValueError):
     """An environment name, plugin spec or argument that cannot be used; the message says what is allowed."""
 
 
-ENV_NAMES = ("sokoban", "calculator", "calculator-tools", "python", "kuhn-poker", "module:Class", "verifiers:ENV_ID")
+ENV_NAMES = ("sokoban", "calculator", "calculator-tools", "python", "kuhn-poker", "module:Class", "verifiers:MODULE",
+             "openenv:URL")
 
 EnvFactory = Callable[[], Environment]
 
@@ -73,6 +74,10 @@ def make_env(name: str, args: dict[str, Any] | None = None) -> EnvFactory:
         from envs.verifiers_env import verifiers_factory  # imports verifiers only for its environments
 
         factory = verifiers_factory(name.removeprefix("verifiers:"), args)
+    elif name.startswith("openenv:"):
+        from envs.openenv_env import openenv_factory  # imports openenv only for its environments
+
+        factory = openenv_factory(name.removeprefix("openenv:"), args)
     elif ":" in name:
         factory = _plugin(name, args)
     else:

@@ -144,6 +144,14 @@ class ToolEnv:
     tools: tuple[Callable[..., Any], ...] = ()
     call_cost: float = 0.0
 
+    def tool_table(self) -> dict[str, Callable[..., Any]]:
+        """The tools the model may call, by the name it calls them (their schemas' names)."""
+        return {tool.__name__: tool for tool in self.tools}
+
+    def tool_schemas(self) -> tuple[dict, ...] | None:
+        """The tools' JSON schemas, or None: the learner makes them from the functions' hints and docstrings."""
+        return None
+
     def reset(self, seed: int) -> str:
         raise NotImplementedError
 
@@ -160,11 +168,11 @@ class ToolEnv:
     def _call(self, call: ToolCall) -> str:
         if call.error:
             return f"error: {call.error}"
-        tools = {tool.__name__: tool for tool in self.tools}
+        tools = self.tool_table()
         tool = tools.get(call.name)
         if tool is None:
             return f"error: there is no tool {call.name!r}; the tools are {', '.join(tools)}"
-        problem = _argument_problem(tool, call.arguments)
+        problem = argument_problem(call.name, tool, call.arguments)
         if problem:
             return f"error: {problem}"
         try:
@@ -187,20 +195,20 @@ def shown(result: str) -> str:
     return result[:MAX_RESULT].strip().encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _argument_problem(tool: Callable[..., Any], arguments: dict[str, Any]) -> str | None:
-    """Why `arguments` do not fit `tool`'s signature (a missing or unknown name, a value of the wrong JSON
-    type), or None."""
+def argument_problem(name: str, tool: Callable[..., Any], arguments: dict[str, Any]) -> str | None:
+    """Why `arguments` do not fit the signature of `tool` (called `name`): a missing or unknown argument, a
+    value of the wrong JSON type; or None."""
     params = inspect.signature(tool, eval_str=True).parameters
     unknown = sorted(set(arguments) - set(params))
     if unknown:
-        return f"{tool.__name__} has no argument {unknown[0][:40]!r}; its arguments are {', '.join(params)}"
-    for name, param in params.items():
-        if name not in arguments:
+        return f"{name} has no argument {unknown[0][:40]!r}; its arguments are {', '.join(params)}"
+    for param in params.values():
+        if param.name not in arguments:
             if param.default is inspect.Parameter.empty:
-                return f"{tool.__name__} needs the argument {name!r}"
+                return f"{name} needs the argument {param.name!r}"
             continue
         types, what = _JSON_TYPES.get(param.annotation, ((object,), ""))
-        value = arguments[name]
+        value = arguments[param.name]
         if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
-            return f"{tool.__name__}'s argument {name!r} must be {what}"
+            return f"{name}'s argument {param.name!r} must be {what}"
     return None

@@ -1,233 +1,261 @@
-"""Environments of the `verifiers` package (0.1.x) as echo-rl environments: `--env verifiers:ENV_ID`.
+"""Environments of the `verifiers` package (0.4, its v1 API) as echo-rl environments: `--env verifiers:MODULE`.
 
-verifiers drives an episode itself: `Environment.run_rollout(input, client, ...)` asks a client for each
-model turn, calls the environment's `env_response` between turns, stops on its stop conditions and scores
-the finished rollout with its rubric. echo-rl steps an environment from outside instead (a worker samples
-each turn, the learner replays). This adapter turns one into the other: the rollout runs as a task on an
-event loop that runs only while `reset` or `step` waits, and its client, rather than calling a model, hands
-over the conversation it was asked to continue and waits for the next `step`'s action.
+A verifiers environment is a module that exports a Taskset (config in, Tasks out) and optionally an Env
+(how one task becomes one episode: `Env.run(task, agents)`, e.g. a scripted user answering each model
+turn). A Task carries its data (prompt, system prompt, answer ...), its `@vf.stop` conditions, its rubric
+(`@vf.reward` and `@vf.metric` methods: the return is the weighted sum of the rewards) and its tools
+(`toolsets()`: `vf.Toolset` classes whose `@vf.tool` methods the model calls).
 
-- ENV_ID is what `verifiers.load_environment` takes (an installed environment's module name, e.g. one
-  `prime env install` or pip put there); --env-args go to its `load_environment(**args)`.
-- Episode `seed` plays dataset row `seed % len(dataset)` (the environment's train dataset).
-- The first user message is the row's prompt: its system and user messages' text joined by blank lines.
-  Later observations are the messages `env_response` added, joined the same way.
-- The return is the rubric's score of the finished rollout. An episode cut by echo-rl's budgets
-  (--max-turns, --max-episode-tokens) before the environment stops is never scored: its return is 0.
-- Refused with one line: tool-calling environments (their tools need structured tool calls, echo-rl's
-  turns are text), rubrics with group-level rewards (the learner scores each episode alone), and datasets
-  without a prompt. The environment's wall-clock `timeout_seconds` is switched off: it would count the
-  worker's generation time, which the learner's replay does not have.
+verifiers runs a rollout itself: a harness program calls the model through an interception server, tools
+run as MCP servers in subprocesses or sandboxes. echo-rl samples every model turn itself (a worker, token in
+and token out) and replays it, so this adapter runs the same pieces in-process instead, on an event loop of
+the episode's own that runs only while `reset`, `step` or `call_tools` waits: the environment's code
+(`Env.run`) asks for the model's next message, the adapter hands it the turn echo-rl sampled, records it in
+the rollout's trace as verifiers' own rollout does (envs.verifiers_rollout), checks the task's stop conditions
+before each turn, and scores the finished trace with the task's rubric (`Task.score`).
+
+- MODULE is the taskset's importable module (what `vf-init` makes, or your own); --env-args fill the Env's
+  config fields where it has them, the rest the taskset's config.
+- Episode `seed` plays task `seed % n` of the taskset's first MAX_TASKS tasks.
+- The first user message is the task's system prompt and prompt, joined by a blank line; later observations
+  are the messages the environment's code sends. Tools are offered with the model's own chat template and
+  called in its own format (envs.tools): the calls run here, in-process (no MCP server, no sandbox: a tool
+  is code the learner and its workers run), and their results go back as tool messages. A tool's state is
+  the trace's (`self.state`), as verifiers gives it.
+- The return is the rubric's score of the finished trace. An episode cut by echo-rl's budgets (--max-turns,
+  --max-episode-tokens) before the environment stops is never scored: its return is 0.
+- Refused with one line: environments with several agents (a judge, an opponent: echo-rl trains one policy
+  and runs no other model), an Env with a `finalize` (cross-trace judgement), and tasks whose rubric needs
+  a runtime (a sandbox); a task that fails at scoring fails its episode.
+
+This reaches into verifiers' internals (the rollout session, the trace graph, the tool-state context), hence
+the exact version pin (SUPPORTED). verifiers 0.1.x environments (run_rollout and a client) are no longer
+read: 0.4 removed that API and the environments that targeted it moved to v1.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import importlib
+import itertools
+import json
 import logging
-import re
-import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from envs import EnvError, EnvFactory, Step, failure
+from envs.tools import ToolCall, ToolEnv
+from envs.verifiers_rollout import Agents, Rollout, Seat, tool_name, toolsets
 
-SUPPORTED = "verifiers>=0.1.14,<0.2"  # the 0.1.x API: Environment.run_rollout, vf.Client, the Rubric
-_loaded_envs: dict[tuple[str, str], tuple[Any, Any]] = {}  # (env_id, args) -> (environment, its dataset)
-_local = threading.local()  # each thread's event loop (an asyncio loop runs in one thread)
+SUPPORTED = "verifiers==0.4.0"  # the v1 API's internals this adapter uses
+MAX_TASKS = 100_000  # tasks of a taskset an episode's seed chooses among (a taskset may be infinite)
+_loaded_envs: dict[tuple[str, str], _Loaded] = {}
+_loading = threading.Lock()
+log = logging.getLogger(__name__)
 
 
-def verifiers_factory(env_id: str, args: dict[str, Any]) -> EnvFactory:
-    """A factory of `VerifiersEnv` episodes of environment `env_id` loaded with `args` (checked once here)."""
+@dataclass
+class _Loaded:
+    """A verifiers environment loaded once per process: its tasks, its Env, its tools' OpenAI schemas."""
+
+    name: str
+    tasks: list[Any]
+    env: Any  # the vf.Env whose run(task, agents) plays an episode
+    seat: str  # the name of its one agent
+    schemas: tuple[dict, ...]
+
+
+def verifiers_factory(module: str, args: dict[str, Any]) -> EnvFactory:
+    """A factory of `VerifiersEnv` episodes of the taskset in `module`, loaded with `args` (checked here)."""
     try:
         import verifiers
     except ImportError:
-        raise EnvError(
-            f"environment 'verifiers:{env_id}' needs the verifiers package: pip install 'echo-rl[verifiers]' "
-            f"(that is {SUPPORTED})"
-        ) from None
+        raise EnvError(f"environment 'verifiers:{module}' needs the verifiers package: pip install "
+                       f"'echo-rl[verifiers]' (that is {SUPPORTED})") from None  # fmt: skip
     version = getattr(verifiers, "__version__", "unknown")
-    if not (0, 1, 14) <= tuple(int(n) for n in re.findall(r"\d+", version)[:3]) < (0, 2):
-        raise EnvError(f"environment 'verifiers:{env_id}': echo-rl runs {SUPPORTED}, found {version}; install that")
-    _check(_loaded(env_id, args), env_id)
-    return lambda: VerifiersEnv(env_id, args)
+    if version != SUPPORTED.partition("==")[2]:
+        raise EnvError(f"environment 'verifiers:{module}': echo-rl runs {SUPPORTED}, found {version}; install that")
+    loaded = _load(module, args)
+    return lambda: VerifiersEnv(loaded)
 
 
-def _loaded(env_id: str, args: dict[str, Any]) -> Any:
-    """The process's instance of the environment and its dataset, loaded once (make_env loads it first, in
-    the main thread); the threads that replay episodes share it, each running rollouts on its own loop."""
-    key = (env_id, repr(sorted(args.items())))
-    if key not in _loaded_envs:
-        try:
-            env = _load_quietly(env_id, args)
-        except Exception as exc:  # noqa: BLE001 - the environment's own loading failure, in one line
-            raise EnvError(f"environment 'verifiers:{env_id}' failed to load: {failure(exc)}") from None
-        if getattr(env, "timeout_seconds", None) is not None:
-            env.timeout_seconds = None  # wall-clock limits would count the worker's sampling time
-        _loaded_envs[key] = (env, env.get_dataset())
-    return _loaded_envs[key]
+def _load(module: str, args: dict[str, Any]) -> _Loaded:
+    key = (module, repr(sorted(args.items())))
+    with _loading:
+        if key not in _loaded_envs:
+            try:
+                _loaded_envs[key] = _load_quietly(module, args)
+            except EnvError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the environment's own loading failure, in one line
+                raise EnvError(f"environment 'verifiers:{module}' failed to load: {failure(exc)}") from None
+        return _loaded_envs[key]
 
 
-def _load_quietly(env_id: str, args: dict[str, Any]) -> Any:
-    """verifiers.load_environment without its side effects on the process: a verifiers Environment installs
-    SIGINT and SIGTERM handlers that exit at once (a worker's SIGTERM finishes its lease first), so the
-    process's handlers are put back, which also means loading in the main thread; its log records go
-    through echo-rl's logging (verifiers leaves them to Python's last-resort stderr handler) and its own
-    report of a failed load is silenced (the caller's EnvError says it once); the datasets progress bars
-    of its dataset formatting are switched off."""
-    if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("verifiers environments are loaded in the main thread (they set signal handlers)")
-    import datasets
-    import verifiers
+def _load_quietly(module: str, args: dict[str, Any]) -> _Loaded:
+    """The taskset of `module` with its config, its Env (built without Env.__init__, which would load a
+    harness echo-rl does not run) and its tools' schemas; verifiers' log records go through echo-rl's
+    logging, its INFO lines (one per rollout) silenced."""
+    import verifiers.v1 as vf
+    from verifiers.v1.configs.agent import agent_config_fields
+    from verifiers.v1.utils.generic import concrete_type
+    from verifiers.v1.utils.loaders import _plugin_class
 
-    datasets.disable_progress_bars()
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    logger = logging.getLogger("verifiers")
-    logger.propagate, level = True, logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        return verifiers.load_environment(env_id, **args)
-    finally:
-        logger.setLevel(level)
-        for sig, handler in handlers.items():
-            if handler is not None:  # None: a handler set outside Python, which Python cannot put back
-                signal.signal(sig, handler)
+    logging.getLogger("verifiers").setLevel(logging.WARNING)
+    name = f"environment 'verifiers:{module}'"
+    try:  # imported here, by its own name: verifiers' loader looks for a dotted one among its built-ins first
+        plugin = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        raise EnvError(f"{name}: cannot import {module!r} ({exc}); install it or add its folder to PYTHONPATH"
+                       ) from None  # fmt: skip
+    taskset_cls = _plugin_class(plugin, vf.Taskset, "taskset")
+    try:  # as verifiers.v1.utils.loaders.environment_class: the module's Env, else the single-agent one
+        env_cls = _plugin_class(plugin, vf.Env, "environment")
+    except (TypeError, AttributeError):
+        env_cls = vf.SingleAgentEnv
+    env_config_cls = concrete_type(env_cls, vf.EnvConfig, origin=vf.Env) or vf.EnvConfig
+    taskset_config_cls = concrete_type(taskset_cls, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
+    env_args = {k: v for k, v in args.items() if k in env_config_cls.model_fields and k != "taskset"}
+    taskset_args = {k: v for k, v in args.items() if k not in env_args}
+    unknown = sorted(set(taskset_args) - set(taskset_config_cls.model_fields))
+    if unknown:
+        fields = sorted((set(env_config_cls.model_fields) | set(taskset_config_cls.model_fields)) - {"taskset", "id"})
+        raise EnvError(f"{name} has no argument {unknown[0]!r}; its configs' fields: {', '.join(fields)}")
+    taskset = taskset_cls(taskset_config_cls(id=module, **taskset_args))
+    env = env_cls.__new__(env_cls)
+    # unvalidated: validating an EnvConfig imports its taskset by verifiers' loader, which misses dotted names
+    env.config = env_config_cls.model_construct(taskset=taskset.config, **env_args)
+    seats = list(agent_config_fields(env.config))
+    if len(seats) != 1:
+        raise EnvError(f"{name} has {len(seats)} agents ({', '.join(seats)}); echo-rl trains one policy and runs "
+                       "no other model")  # fmt: skip
+    if type(env).finalize is not vf.Env.finalize:
+        raise EnvError(f"{name}'s Env has a finalize() (cross-trace judgement); echo-rl scores each episode alone")
+    tasks = list(itertools.islice(iter(taskset), MAX_TASKS))
+    if not tasks:
+        raise EnvError(f"{name}'s taskset has no tasks")
+    schemas = asyncio.run(_tool_schemas(tasks[0]))
+    return _Loaded(name, tasks, env, seats[0], schemas)
 
 
-def _check(loaded: tuple[Any, Any], env_id: str) -> None:
-    env, rows = loaded
-    name = f"environment 'verifiers:{env_id}'"
-    if getattr(env, "tool_defs", None):
-        raise EnvError(f"{name} calls tools; echo-rl's turns are text, so tool-calling environments are not supported")
-    if env.requires_group_rollouts:
-        raise EnvError(f"{name} has group-level reward functions; echo-rl scores each episode alone")
-    if len(rows) == 0 or "prompt" not in rows.column_names:
-        raise EnvError(f"{name} has an empty dataset or one without a prompt column")
+async def _tool_schemas(task: Any) -> tuple[dict, ...]:
+    """The OpenAI schemas of a task's tools, listed by an in-process MCP server as verifiers lists them."""
+    from mcp.server.mcpserver import MCPServer
+
+    schemas = []
+    for toolset in toolsets(task):
+        server = MCPServer(toolset.server_name or type(toolset).__name__)
+        toolset.register(server)
+        for tool in await server.list_tools():
+            function = {"name": tool_name(toolset, tool.name), "description": tool.description or "",
+                        "parameters": tool.input_schema}  # fmt: skip
+            schemas.append({"type": "function", "function": function})
+    return tuple(schemas)
 
 
-class VerifiersEnv:
+class VerifiersEnv(ToolEnv):
     """One episode of a verifiers environment, stepped turn by turn (the module docstring has the rules)."""
 
-    def __init__(self, env_id: str, args: dict[str, Any]) -> None:
-        self.env, self.rows = _loaded(env_id, args)
-        self.name = f"verifiers:{env_id}"
-        self.loop = _event_loop()
-        self.client = _turn_client_class()(self.loop)
-        self.rollout: asyncio.Task | None = None
-        self.seen = 0  # messages of the conversation already shown to the model or sampled by it
+    def __init__(self, loaded: _Loaded) -> None:
+        self.loaded, self.name = loaded, loaded.name
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.run: asyncio.Task | None = None
+        self.rollout: Rollout | None = None
+        self.asked: asyncio.Future | None = None  # set by the rollout: it needs the model's next message
+        self.answer: asyncio.Future | None = None  # set by a step: the model's message (and tool results)
+        self.reward: float | None = None  # the rubric's score, once the episode is over
+        self.table: dict[str, Callable[..., Any]] = {}
+
+    def tool_schemas(self) -> tuple[dict, ...]:
+        return self.loaded.schemas
+
+    def tool_table(self) -> dict[str, Callable[..., Any]]:
+        return self.table
 
     def reset(self, seed: int) -> str:
-        row = dict(self.rows[seed % len(self.rows)])
-        self.rollout = self.loop.create_task(self.env.run_rollout(row, self.client, "echo-rl", {}))
-        asked = self._next_turn()
-        if asked is None:
-            raise EnvError(f"{self.name}: the rollout of row {seed % len(self.rows)} ended before the model's turn")
-        self.seen = len(asked)
-        return _text(asked, self.name)
+        task = self.loaded.tasks[seed % len(self.loaded.tasks)]
+        self.loop = asyncio.new_event_loop()
+        self.run = self.loop.create_task(self._play(task))
+        new = self._next()
+        if new is None:
+            raise EnvError(f"{self.name}: task {seed % len(self.loaded.tasks)} ended before the model's first turn")
+        return _text(new)
 
     def step(self, action: str) -> Step:
-        if self.rollout is None or self.client.reply is None:
-            raise EnvError(f"{self.name}: step() before reset(), or after the episode ended")
-        self.client.reply.set_result(action)
-        asked = self._next_turn()
-        if asked is None:  # the environment stopped: score the rollout
-            output = self.rollout.result()
-            if output.get("error"):
-                raise EnvError(f"{self.name}: the rollout failed: {str(output['error']).splitlines()[0][:300]}")
-            return Step(reward=float(output.get("reward") or 0.0), done=True)
-        if len(asked) <= self.seen or asked[self.seen]["role"] != "assistant":
-            raise EnvError(f"{self.name}: the environment rewrote the conversation; echo-rl plays linear episodes")
-        added = asked[self.seen + 1 :]
-        self.seen = len(asked)
-        return Step(_text(added, self.name))
+        import verifiers.v1 as vf
+
+        return self._answer(vf.AssistantMessage(content=action), [])
+
+    def call_tools(self, calls: list[ToolCall]) -> Step:
+        """Run the calls (envs.tools.ToolEnv's rules and bounds) and give the rollout the model's message with
+        its calls and their results, as verifiers' harness would."""
+        import verifiers.v1 as vf
+
+        step = super().call_tools(calls)
+        ids = [f"call_{n}" for n in range(len(calls))]
+        calls = calls if len(step.tool_results) == len(calls) else calls[:1]  # too many: one refusal answers
+        message = vf.AssistantMessage(content="", tool_calls=[
+            vf.ToolCall(id=i, name=c.name or "invalid", arguments=json.dumps(c.arguments))
+            for i, c in zip(ids, calls, strict=False)])  # fmt: skip
+        results = [vf.ToolMessage(tool_call_id=i, name=c.name or "invalid", content=r)
+                   for i, c, r in zip(ids, calls, step.tool_results, strict=False)]  # fmt: skip
+        after = self._answer(message, results)
+        return after if after.done else step
 
     def close(self) -> None:
-        """Cancel a rollout left unfinished (a budget ended the episode) so the loop holds nothing of it."""
-        if self.rollout is not None and not self.rollout.done():
-            self.rollout.cancel()
-            self.loop.run_until_complete(asyncio.wait([self.rollout]))
-        self.rollout = None
+        """Cancel a rollout left unfinished (a budget ended the episode) and close the episode's loop."""
+        if self.loop is None:
+            return
+        if self.run is not None and not self.run.done():
+            self.run.cancel()
+            self.loop.run_until_complete(asyncio.wait([self.run]))
+        self.loop.close()
+        self.loop = self.run = None
 
-    def _next_turn(self) -> list | None:
-        """Run the rollout until it asks for the model's next turn (its conversation so far) or ends (None)."""
-        asked = self.client.await_question()
-        self.loop.run_until_complete(asyncio.wait([asked, self.rollout], return_when=asyncio.FIRST_COMPLETED))
-        if asked.done():
-            return asked.result()
-        asked.cancel()
-        if self.rollout.exception() is not None:
-            exc = self.rollout.exception()
-            raise EnvError(f"{self.name}: the rollout raised {failure(exc)}") from None
+    def _answer(self, message: Any, results: list[Any]) -> Step:
+        if self.answer is None or self.answer.done():
+            raise EnvError(f"{self.name}: step() before reset(), or after the episode ended")
+        self.answer.set_result((message, results))
+        new = self._next()
+        if new is None:
+            return Step(reward=self.reward or 0.0, done=True)
+        if results:
+            return Step()  # the rollout took the tool results and asks for the next turn
+        return Step(_text(new))
+
+    def _next(self) -> list | None:
+        """Run the rollout until it asks for the model's next message (the messages added since the model's
+        last one) or ends (None, with the reward scored)."""
+        assert self.loop is not None and self.run is not None
+        self.asked = self.loop.create_future()
+        self.loop.run_until_complete(asyncio.wait([self.asked, self.run], return_when=asyncio.FIRST_COMPLETED))
+        if self.asked.done():
+            return self.asked.result()
+        if (exc := self.run.exception()) is not None:
+            raise EnvError(f"{self.name}: the episode raised {failure(exc)}") from None
         return None
 
+    async def _play(self, task: Any) -> None:
+        """The environment's own episode (Env.run) with this episode as its one agent, then the score."""
+        seat = Seat(self)
+        await self.loaded.env.run(task, Agents({self.loaded.seat: seat}))
+        if seat.trace is None:
+            raise EnvError(f"{self.name}: the environment's run() played no rollout")
+        self.reward = float(seat.trace.reward)
 
-def _event_loop() -> asyncio.AbstractEventLoop:
-    loop = getattr(_local, "loop", None)
-    if loop is None or loop.is_closed():
-        loop = _local.loop = asyncio.new_event_loop()
-    return loop
-
-
-def _text(messages: Sequence[Any], name: str) -> str:
-    """The text of system, user and tool messages, joined by blank lines (echo-rl shows it as one user turn)."""
-    parts = []
-    for message in messages:
-        content = message["content"]
-        if isinstance(content, str):
-            parts.append(content)
-            continue
-        for part in content or []:
-            if part["type"] != "text":
-                raise EnvError(f"{name}: a message carries {part['type']!r} content; echo-rl shows only text")
-            parts.append(part["text"])
-    return "\n\n".join(p for p in parts if p)
+    async def _ask(self, new: list) -> tuple[Any, list]:
+        """The model's next message and its tool results (the rollout's side of step and call_tools)."""
+        assert self.loop is not None and self.asked is not None
+        self.answer = self.loop.create_future()
+        self.asked.set_result(new)
+        return await self.answer
 
 
-@functools.cache
-def _turn_client_class() -> type:
-    """verifiers.clients.Client, specialised to answer with the actions echo-rl passes to `step`."""
-    from verifiers.clients import Client
-    from verifiers.types import Response, ResponseMessage
+def _text(messages: list) -> str:
+    """The text of the messages the model has not seen (system, user), joined by blank lines: echo-rl shows
+    them as one user turn. A tool message is never among them (call_tools returns tool results)."""
+    from verifiers.v1.types import content_text
 
-    class TurnClient(Client):
-        """A verifiers client whose "model" is echo-rl: each request waits for the next action."""
-
-        def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-            super().__init__(None)
-            self.loop = loop
-            self.question: asyncio.Future | None = None  # the conversation the rollout asks to continue
-            self.reply: asyncio.Future | None = None  # the action that continues it
-
-        def await_question(self) -> asyncio.Future:
-            self.question, self.reply = self.loop.create_future(), None
-            return self.question
-
-        def setup_client(self, config: Any) -> None:
-            raise TypeError("echo-rl's turn client is built by the adapter, never from a verifiers ClientConfig")
-
-        async def to_native_tool(self, tool: Any) -> Any:
-            raise EnvError("tool-calling verifiers environments are not supported")
-
-        async def to_native_prompt(self, messages: Any) -> tuple[Any, dict]:
-            return messages, {}
-
-        async def get_native_response(self, prompt: Any, model: str, sampling_args: Any, tools: Any = None,
-                                      **kwargs: Any) -> str:  # fmt: skip
-            if self.question is None or self.question.done():
-                raise EnvError("the environment asks for several model turns at once; echo-rl plays linear episodes")
-            self.reply = self.loop.create_future()
-            self.question.set_result(list(prompt))
-            return await self.reply
-
-        async def raise_from_native_response(self, response: str) -> None:
-            return None  # an action is any text
-
-        async def from_native_response(self, response: str) -> Any:
-            message = ResponseMessage(content=response, finish_reason="stop", is_truncated=False)
-            return Response(id="echo-rl", created=0, model="echo-rl", message=message)
-
-        async def close(self) -> None:
-            return None
-
-    return TurnClient
+    return "\n\n".join(text for m in messages if m.role in ("system", "user") and (text := content_text(m.content)))

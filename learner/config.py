@@ -95,7 +95,8 @@ class EnvConfig:
     """A multi-turn environment to train on instead of the single-turn task (envs, docs/environments.md)."""
 
     env: str = ""
-    """"" (train on --task), sokoban, calculator, kuhn-poker, or module:Class (your own class: docs/environments.md)."""
+    """"" (train on --task), a built-in (sokoban, calculator, ...), module:Class (your own), verifiers:MODULE or
+    openenv:URL (docs/environments.md)."""
     env_args: dict = field(default_factory=dict)
     """Environment knobs, e.g. {digits = 3} in TOML or --env-args digits=3 (see each environment's docstring)."""
     max_turns: int = 6

@@ -18,7 +18,7 @@ def tiny():
 # every kind of environment: the built-ins, a module:Class plugin, a verifiers one, one that raises now and then
 EVERY_ENV = [
     "sokoban", "calculator", "calculator-tools", "kuhn-poker", "examples.guess_env:GuessEnv",
-    "verifiers:tests.vf_guess", "tests.bad_envs:Flaky",
+    "verifiers:tests.vf_guess", "verifiers:tests.vf_tools", "tests.bad_envs:Flaky",
 ]  # fmt: skip
 
 

@@ -1,11 +1,9 @@
 """Multi-turn environments: the built-in games and tool, plugins, playing and replaying episodes, and the
 trainer's zero gradient on observation tokens."""
 
-import asyncio
 import dataclasses
 import json
 import random
-import signal
 import sys
 from collections import deque
 
@@ -13,11 +11,12 @@ import pytest
 import torch
 
 from echo_cli.status import environment_line
-from envs import EnvError, EnvSpec, make_env
+from envs import EnvError, EnvSpec, Step, make_env
 from envs.calculator import CalcError, CalculatorEnv, evaluate
 from envs.episode import EpisodeRules, ReplayError, play_episodes, replay_episode
 from envs.kuhn_poker import KuhnPokerEnv
 from envs.sokoban import MOVES, SokobanEnv, move, parse
+from envs.tools import ToolCall
 from learner.config import GRPOConfig
 from learner.evaluation import held_out_problems
 from learner.orchestrate.journal import group_of, group_record
@@ -272,10 +271,9 @@ def test_observation_tokens_get_exactly_zero_gradient(tiny):
         ("tests.bad_envs:Broken", {}, "failed to start an episode: RuntimeError: no board today"),
         ("examples.guess_env:GuessEnv", {"low": 3}, "has no argument 'low'"),
         ("sokoban", {"size": 40}, "size must be between 5 and 10"),
-        ("verifiers:no_such_env", {}, "Could not import 'no_such_env'"),
-        ("verifiers:tests.vf_guess", {"colour": 1}, "unexpected keyword argument 'colour'"),
-        ("verifiers:tests.vf_guess", {"variant": "tools"}, "tool-calling environments are not supported"),
-        ("verifiers:tests.vf_guess", {"variant": "group"}, "group-level reward functions"),
+        ("verifiers:no_such_env", {}, "cannot import 'no_such_env'"),
+        ("verifiers:tests.vf_guess", {"colour": 1}, "has no argument 'colour'; its configs' fields: "),
+        ("verifiers:tests.bad_envs", {}, "failed to load: AttributeError: taskset module 'tests.bad_envs' defines"),
     ],
 )
 def test_bad_environment_specs_say_what_to_change(name, args, message):
@@ -343,13 +341,15 @@ def test_a_plugin_environment_plays(tiny):
 
 
 def test_a_verifiers_environment_plays_and_replays(tiny):
-    """tests/vf_guess.py, a verifiers MultiTurnEnv: its env_response writes the observations, its rubric the
-    return; the learner's replay reruns the verifiers rollout and catches a changed observation or return."""
+    """tests/vf_guess.py, a verifiers 0.4 taskset with its own Env: Env.run writes the observations (a scripted
+    user), the task's rubric the return; the learner's replay reruns the rollout and catches a changed
+    observation or return."""
     rules = rules_for(tiny, "verifiers:tests.vf_guess", {"high": 8})
     probe = make_env("verifiers:tests.vf_guess", {"high": 8})()
-    assert probe.reset(5).startswith("I picked a whole number")
-    probe.close()  # its rollout waits for the model's turn: left open, the check at the end saw it until gc ran
-    request = GenerationRequest(tiny.render_prompt("guess"), 1, 0, episode=5)  # row 5: the number is 6
+    first = "Play a guessing game.\n\nI picked a whole number from 1 to 8. Guess it: reply with one number."
+    assert probe.reset(5) == first
+    probe.close()
+    request = GenerationRequest(tiny.render_prompt("guess"), 1, 0, episode=5)  # task 5: the number is 6
     [[episode]] = play_episodes(scripted(rules.chat, ["4", "7", "6"]), [request], SamplingParams(), rules)
     assert episode.finish_reason == "stop" and len(episode.spans) == 5 and episode.reward == pytest.approx(0.8)
     first, second = (rules.chat.decode(episode.tokens[sum(episode.spans[:k]) :][: episode.spans[k]]) for k in (1, 3))
@@ -361,38 +361,41 @@ def test_a_verifiers_environment_plays_and_replays(tiny):
         replay_episode(changed, 5, rules)
     with pytest.raises(ReplayError, match="claims reward 1.0"):
         replay_episode(dataclasses.replace(episode, reward=1.0), 5, rules)
-    # echo-rl's budget ends the episode before the environment does: unscored (0), and no rollout is left open
+    # echo-rl's budget ends the episode before the environment does: unscored (0), its rollout cancelled
     short = rules_for(tiny, "verifiers:tests.vf_guess", {"high": 8}, max_turns=2)
     [[cut]] = play_episodes(scripted(short.chat, ["1", "2"]), [request], SamplingParams(), short)
     assert cut.finish_reason == "length" and cut.reward == 0.0 and replay_episode(cut, 5, short).turns == 2
-    from envs.verifiers_env import _event_loop
+    left = make_env("verifiers:tests.vf_guess", {"high": 8})()
+    left.reset(5)
+    left.step("1")
+    loop = left.loop
+    left.close()
+    assert loop.is_closed() and left.run is None
 
-    assert not asyncio.all_tasks(_event_loop())
 
-
-def test_loading_a_verifiers_environment_keeps_the_process_signal_handlers(monkeypatch):
-    """A verifiers Environment sets SIGINT/SIGTERM handlers that exit at once; a worker's SIGTERM must still
-    finish its lease, so the adapter puts the process's handlers back."""
-    from envs import verifiers_env
-
-    monkeypatch.setattr(verifiers_env, "_loaded_envs", {})  # load afresh
-
-    def mine(sig, frame):
-        return None
-
-    previous = signal.signal(signal.SIGTERM, mine)
+def test_a_verifiers_environment_with_a_stateful_tool_stops_on_its_own_condition():
+    """tests/vf_tools.py: the toolset's tool counts its calls in the trace's state, and the task's @vf.stop
+    ends the rollout at the third; the rubric scores what the trace holds (no right answer: 0)."""
+    env = make_env("verifiers:tests.vf_tools")()
     try:
-        make_env("verifiers:tests.vf_guess", {"high": 3})
-        assert signal.getsignal(signal.SIGTERM) is mine
+        assert env.reset(0) == "What is 17 + 25? Use the tool."
+        [schema] = env.tool_schemas()
+        assert schema["function"]["name"] == "calc_add" and schema["function"]["parameters"]["required"] == ["a", "b"]
+        add = ToolCall("calc_add", {"a": 1, "b": 2})
+        assert env.call_tools([add]).tool_results == ("3",)
+        assert env.call_tools([ToolCall("calc_add", {"a": "x", "b": 1}), ToolCall("", {}, "bad json")]).tool_results \
+            == ("error: calc_add's argument 'a' must be an integer", "error: bad json")
+        assert env.call_tools([add]).tool_results == ("3",)  # the calls that ran: 2
+        assert env.call_tools([add]) == Step(reward=0.0, done=True)  # the third: stopped, scored
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        env.close()
 
 
 def test_verifiers_missing_or_of_another_version_is_a_one_line_error(monkeypatch):
     import verifiers
 
-    monkeypatch.setattr(verifiers, "__version__", "0.4.0")
-    with pytest.raises(EnvError, match=r"echo-rl runs verifiers>=0.1.14,<0.2, found 0.4.0"):
+    monkeypatch.setattr(verifiers, "__version__", "0.4.1")
+    with pytest.raises(EnvError, match=r"echo-rl runs verifiers==0.4.0, found 0.4.1; install that"):
         make_env("verifiers:tests.vf_guess")
     monkeypatch.setitem(sys.modules, "verifiers", None)  # as if it were not installed
     with pytest.raises(EnvError, match=r"needs the verifiers package: pip install 'echo-rl\[verifiers\]'"):
@@ -441,7 +444,7 @@ def test_an_environment_is_evaluated_on_held_out_seeds_as_echo_rl_eval_does(tmp_
     [
         (["--env", "no_such_module:Env"], "cannot import 'no_such_module'"),
         (["--env", "examples.guess_env:Missing"], "has no 'Missing'"),
-        (["--env", "verifiers:no_such_env"], "Could not import 'no_such_env'"),
+        (["--env", "verifiers:no_such_env"], "cannot import 'no_such_env'"),
         (["--env", "calculator", "--env-args", "digits=40"], "digits must be between 1 and 9"),
         (["--env-args", "digits=4"], "env.env_args: needs --env"),
         (["--env", "sokoban", "--eval-every", "2", "--eval-task", "arithmetic"], "its own held-out seeds"),

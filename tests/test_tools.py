@@ -1,6 +1,7 @@
 """Tool calling (envs.tools): calls read in each released chat template's own format, tools offered and results
 written as the template writes them, episodes with tool calls replayed, and a peer's forged result caught."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -299,3 +300,30 @@ def test_the_python_environment_trains_hosted_only(tmp_path):
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in rows] == [1, 2]
+
+
+def test_a_verifiers_tool_environment_plays_in_qwen3s_format_and_replays(qwen3):
+    """tests/vf_tools.py, a verifiers 0.4 toolset: its schema goes into Qwen3's tool section, the model's
+    <tool_call> runs the toolset's method in-process, its result comes back as Qwen3's tool message, the
+    rubric scores the trace (right answer 1 + a tool result holding it 0.5); a forged result is caught."""
+    policy, _ = qwen3
+    rules = EpisodeRules(EnvSpec("verifiers:tests.vf_tools", {}, 4, 600, 96), make_env("verifiers:tests.vf_tools"),
+                         chat_format(policy))  # fmt: skip
+    problem = EnvironmentTask(rules).sample(__import__("random").Random(3))
+    [schema] = problem.tools
+    prompt = policy.tokenizer.decode(policy.render_prompt(problem.prompt, problem.tools))
+    assert '"name": "calc_add"' in prompt and "<tools>" in prompt
+    a, b = (int(n) for n in problem.prompt.removeprefix("What is ").split("?")[0].split(" + "))
+    call = json.dumps({"name": "calc_add", "arguments": {"a": a, "b": b}})
+    turns = [f"<tool_call>\n{call}\n</tool_call>", f"The sum is {a + b}."]
+    request = GenerationRequest(policy.render_prompt(problem.prompt, problem.tools), 1, 0, episode=problem.answer)
+    [[episode]] = play_episodes(scripted(rules.chat, turns), [request], SamplingParams(max_new_tokens=96), rules)
+    assert episode.finish_reason == "stop" and len(episode.spans) == 3 and episode.reward == 1.5
+    text = policy.tokenizer.decode(episode.tokens)
+    assert f"<|im_start|>user\n<tool_response>\n{a + b}\n</tool_response><|im_end|>\n" in text
+    assert replay_episode(episode, problem.answer, rules).reward == 1.5
+    lie = episode.tokens.index(policy.tokenizer.encode(str(a + b), add_special_tokens=False)[0], episode.spans[0])
+    forged = dataclasses.replace(episode, tokens=[*episode.tokens])
+    forged.tokens[lie] += 1
+    with pytest.raises(ReplayError, match="observation after turn 0 is not the environment's"):
+        replay_episode(forged, problem.answer, rules)

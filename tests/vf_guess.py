@@ -1,25 +1,55 @@
-"""A verifiers (0.1.x) environment defined in the tests, run through `--env verifiers:tests.vf_guess`: guess a
-number, told "higher" or "lower" after each wrong guess. Its dataset is built here; nothing is downloaded.
-`variant` builds the kinds echo-rl refuses: "tools" (a tool-calling environment), "group" (a group reward)."""
+"""A verifiers (0.4, v1 API) multi-turn environment defined in the tests, run through
+`--env verifiers:tests.vf_guess`: guess a number, told "Higher." or "Lower." after each wrong guess by the
+environment's own code (Env.run, a scripted user). Its tasks are built here; nothing is downloaded."""
 
 import re
 
-import verifiers as vf
-from datasets import Dataset
+import verifiers.v1 as vf
 
 
-class GuessNumberEnv(vf.MultiTurnEnv):
-    """Each turn the model guesses; the environment answers "higher" or "lower" until a guess is right."""
+class GuessData(vf.TaskData):
+    target: int
 
-    async def env_response(self, messages: vf.Messages, state: vf.State, **kwargs) -> vf.Messages:
-        guess = _guess(messages[-1]["content"] or "")
-        target = int(state["answer"])
-        if guess == target:  # final_env_response ends the rollout (verifiers' way to stop after a reply)
-            state["solved"] = True
-            state["final_env_response"] = [vf.UserMessage(content="Correct!")]
-            return state["final_env_response"]
-        hint = "No number found. Reply with one number." if guess is None else "Higher." if guess < target else "Lower."
-        return [vf.UserMessage(content=hint)]
+
+class GuessTask(vf.Task[GuessData]):
+    @vf.reward
+    async def solved(self, trace: vf.Trace) -> float:
+        """1 for a game solved at the first guess, 0.1 less for each further guess."""
+        return max(0.0, 1.1 - 0.1 * trace.num_turns) if _guess(trace.last_reply) == self.data.target else 0.0
+
+    @vf.metric
+    async def guesses(self, trace: vf.Trace) -> float:
+        return float(trace.num_turns)
+
+
+class GuessTasksetConfig(vf.TasksetConfig):
+    high: int = 8
+
+
+class GuessTaskset(vf.Taskset[GuessTask, GuessTasksetConfig]):
+    def load(self):
+        for target in range(1, self.config.high + 1):  # prompt None: the environment opens the conversation
+            yield GuessTask(GuessData(prompt=None, system_prompt="Play a guessing game.", target=target))
+
+
+class GuessEnvConfig(vf.EnvConfig):
+    agent: vf.AgentConfig = vf.AgentConfig()
+    max_guesses: int = 4
+
+
+class GuessEnv(vf.Env[GuessEnvConfig]):
+    async def run(self, task, agents):
+        high = max(self.taskset_high, task.data.target)
+        async with agents.agent.interaction(task) as game:
+            segment = await game.turn(f"I picked a whole number from 1 to {high}. Guess it: reply with one number.")
+            for _ in range(self.config.max_guesses - 1):
+                guess = _guess(segment.last_reply)
+                if segment.terminated or guess == task.data.target:
+                    break
+                hint = "No number found. Reply with one number." if guess is None else "Higher."
+                segment = await game.turn(hint if guess is None or guess < task.data.target else "Lower.")
+
+    taskset_high = 8
 
 
 def _guess(text: str) -> int | None:
@@ -27,28 +57,4 @@ def _guess(text: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-def solved_reward(state: vf.State, **kwargs) -> float:
-    """1 for a solved game in one turn, 0.1 less for each further turn."""
-    return max(0.0, 1.1 - 0.1 * len(state["trajectory"])) if state.get("solved") else 0.0
-
-
-def rank_reward(states: list[vf.State], **kwargs) -> list[float]:
-    """A group reward (plural parameters): the fewer turns among the group, the better."""
-    return [-float(len(s["trajectory"])) for s in states]
-
-
-def add(a: int, b: int) -> int:
-    """Add two numbers."""
-    return a + b
-
-
-def load_environment(high: int = 8, max_turns: int = 4, variant: str = "") -> vf.Environment:
-    """Targets 1..high, one per dataset row."""
-    rows = [
-        {"question": f"I picked a whole number from 1 to {high}. Guess it: reply with one number.", "answer": str(n)}
-        for n in range(1, high + 1)
-    ]
-    if variant == "tools":
-        return vf.ToolEnv(dataset=Dataset.from_list(rows), tools=[add], rubric=vf.Rubric(funcs=[solved_reward]))
-    funcs = [solved_reward, rank_reward] if variant == "group" else [solved_reward]
-    return GuessNumberEnv(dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=funcs), max_turns=max_turns)
+__all__ = ["GuessTaskset", "GuessEnv"]

@@ -54,13 +54,16 @@ class EnvironmentTask:
 
 
 def tool_schemas(episodes: EpisodeRules) -> tuple[dict, ...]:
-    """The JSON schemas of a tool environment's tools (transformers reads each function's type hints and
-    Google-style docstring); () for another environment."""
+    """The JSON schemas of a tool environment's tools (its own, or transformers' reading of each function's
+    type hints and Google-style docstring); () for another environment."""
     env = episodes.make_env()
     try:
-        tools = env.tools if isinstance(env, ToolEnv) else ()
+        if not isinstance(env, ToolEnv):
+            return ()
+        if (given := env.tool_schemas()) is not None:  # an environment that has its tools' schemas already
+            return tuple(given)
         schemas = []
-        for tool in tools:
+        for tool in env.tools:
             try:
                 schemas.append(get_json_schema(tool))
             except Exception as exc:  # noqa: BLE001 - transformers' own exception types, shown in one line
