@@ -190,3 +190,16 @@ def test_a_hosted_environment_trains_colocated(tmp_path):
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in rows] == [1, 2] and rows[-1]["eval"]["turns_mean"] == 3
+
+
+def test_a_hosted_verifiers_tool_environment_trains_through_a_worker_that_lacks_it(swarm):
+    """A verifiers taskset hosted by the learner (for one whose rubric asks a judge or the network): the
+    learner's step threads drive each episode's rollout; the worker has no --allow-env and runs none of it."""
+    learner = swarm.learner("--env", "verifiers:tests.vf_tools", "--env-host", "learner", "--steps", "2",
+                            "--max-turns", "3", "--max-episode-tokens", "200", "--verify-first", "1000")  # fmt: skip
+    worker = swarm.worker("w1")
+    assert swarm.wait(learner, 300) == 0, swarm.log("learner")[-3000:]
+    worker.terminate()
+    rows = swarm.metrics()
+    assert [m["step"] for m in rows] == [1, 2] and all(m["turns_per_episode"] >= 1 for m in rows)
+    assert rows[-1]["groups_dropped_flagged"] == 0 and rows[-1]["failed_episodes"] == 0
