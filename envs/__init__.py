@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -44,6 +45,9 @@ class Environment(Protocol):
     # Optional: close() frees what an episode holds; it is called once the episode is over (close_env).
 
 
+log = logging.getLogger(__name__)
+
+
 class EnvError(ValueError):
     """An environment name, plugin spec or argument that cannot be used; the message says what is allowed."""
 
@@ -67,8 +71,8 @@ def builtin_envs() -> dict[str, type]:
 def make_env(name: str, args: dict[str, Any] | None = None) -> EnvFactory:
     """A factory of fresh episodes of environment `name` (see ENV_NAMES) with keyword `args`.
 
-    The factory is tried once here (one instance, reset with seed 0), so a bad name, argument or plugin fails
-    before a run starts, with one line saying what to change."""
+    The factory is tried here (two instances, reset with seed 0: their first messages must be equal), so a bad
+    name, argument or plugin fails before a run starts, with one line saying what to change."""
     args = dict(args or {})
     if name.startswith("verifiers:"):
         from envs.verifiers_env import verifiers_factory  # imports verifiers only for its environments
@@ -139,6 +143,9 @@ def _try(factory: EnvFactory, name: str) -> None:
         raise EnvError(f"environment {name!r} failed to start an episode: {failure(exc)}") from None
     if not isinstance(first, str):
         raise EnvError(f"environment {name!r}: reset(seed) must return the first user message as a str")
+    if first_message(factory, 0) != first:  # a group's episodes, and its prompt, must start alike
+        raise EnvError(f"environment {name!r}: reset(0) gave two different first messages; the first message must "
+                       "depend on the seed only (a group's episodes share their prompt; later observations may vary)")
 
 
 def failure(exc: BaseException) -> str:
@@ -156,10 +163,14 @@ def first_message(factory: EnvFactory, seed: int) -> str:
 
 
 def close_env(env: object) -> None:
-    """Call an environment's optional close() (an episode is over: free what it holds)."""
+    """Call an environment's optional close() (an episode is over: free what it holds). A close() that raises
+    is logged: the episode's result stands, and the caller goes on closing the others."""
     close = getattr(env, "close", None)
     if callable(close):
-        close()
+        try:
+            close()
+        except Exception as exc:  # noqa: BLE001 - the environment's own failure, in one line
+            log.warning("an environment's close() raised: %s", failure(exc))
 
 
 @dataclass(frozen=True)

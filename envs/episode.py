@@ -125,6 +125,9 @@ def play_episodes(
                 try:
                     env.reset(request.episode)
                 except Exception as exc:  # noqa: BLE001 - the learner started this seed: not deterministic
+                    if rules.spec.hosted:  # the learner plays a hosted one itself: like HostedEpisode's
+                        group[-1].error = f"start: {failure(exc)}"
+                        continue
                     raise EnvError(
                         f"environment {rules.spec.name} failed to start episode {request.episode} ({failure(exc)}), "
                         "which started on the learner: is it deterministic?"
@@ -203,6 +206,9 @@ def _after_turn(e: _Live, tokens: list[int], logprobs: list[float], rules: Episo
     record.logprobs += logprobs
     record.spans.append(len(tokens))
     e.turns += 1
+    if e.error is not None:  # its reset raised: the episode ends at its first turn
+        e.done, record.finish_reason = True, "error"
+        return
     try:
         step, observation = step_env(e.env, tokens, chat)
         e.reward += step_reward(step.reward)
@@ -314,12 +320,7 @@ class HostedEpisode:
             raise ReplayError(f"turn {k} is not episode {e.index}'s next ({state})")
         check_turn(tokens, len(e.record.tokens), k, self.rules)
         start = len(e.record.tokens) + len(tokens)
-        if e.error is not None:  # its reset raised
-            e.record.tokens += tokens
-            e.record.spans.append(len(tokens))
-            e.turns, e.done, e.record.finish_reason = 1, True, "error"
-        else:
-            _after_turn(e, list(tokens), [0.0] * len(tokens), self.rules)
+        _after_turn(e, list(tokens), [0.0] * len(tokens), self.rules)
         if e.error is not None:
             log.warning("hosted environment %s raised in an episode of seed %d (%s); it ends there",
                         self.rules.spec.name, e.request.episode, e.error)  # fmt: skip

@@ -34,6 +34,7 @@ SUPPORTED = "openenv-core==0.3.0"
 MAX_OBSERVATION = 100_000  # characters of one observation shown to the model
 _loop_lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
+_connecting: asyncio.Lock | None = None  # on _loop
 
 
 def openenv_factory(url: str, args: dict[str, Any]) -> EnvFactory:
@@ -88,6 +89,7 @@ class OpenEnvEnv:
         self.client = GenericEnvClient(base_url=url, connect_timeout_s=timeout_s, message_timeout_s=timeout_s)
 
     def reset(self, seed: int) -> str:
+        self._run(_connect(self.client))
         step = self._answer(self._run(self.client.reset(seed=seed)))
         if step.done:
             raise EnvError(f"OpenEnv server {self.url} ended the episode at its reset")
@@ -97,7 +99,9 @@ class OpenEnvEnv:
         return self._answer(self._run(self.client.step({self.action_field: action})))
 
     def close(self) -> None:
-        self._run(self.client.close())
+        """End the session without waiting for the server (a close that fails or hangs is its matter)."""
+        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(self.client.close(), self.timeout_s), _event_loop())
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # its failure is not ours to raise
 
     def _answer(self, result: Any) -> Step:
         """A StepResult as a Step: the observation's text field, the reward (null: 0) and done."""
@@ -108,9 +112,11 @@ class OpenEnvEnv:
             raise EnvError(f"OpenEnv server {self.url}'s observation has no text field {self.observation_field!r} "
                            f"(its fields: {fields}); set --env-args observation_field=NAME")  # fmt: skip
         reward = 0.0 if result.reward is None else result.reward
-        if not isinstance(reward, int | float):
+        if not isinstance(reward, int | float) or isinstance(reward, bool):
             raise EnvError(f"OpenEnv server {self.url} answered a reward that is not a number: {reward!r:.40}")
-        return Step(text[:MAX_OBSERVATION], float(reward), result.done is True)
+        if not isinstance(result.done, bool):
+            raise EnvError(f"OpenEnv server {self.url} answered a done that is not true or false: {result.done!r:.40}")
+        return Step(text[:MAX_OBSERVATION], float(reward), result.done)
 
     def _run(self, call: Coroutine) -> Any:
         """Run `call` on the sessions' event loop and wait at most timeout_s (plus a second for the loop)."""
@@ -120,6 +126,16 @@ class OpenEnvEnv:
         except (TimeoutError, concurrent.futures.TimeoutError):
             future.cancel()
             raise EnvError(f"OpenEnv server {self.url} did not answer within {self.timeout_s:g} s") from None
+
+
+async def _connect(client: Any) -> None:
+    """Open the session's WebSocket, one connect at a time: openenv's connect sets and restores the process's
+    NO_PROXY around each, which overlapping connects would leave set."""
+    global _connecting
+    if _connecting is None:
+        _connecting = asyncio.Lock()
+    async with _connecting:
+        await client.connect()
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:

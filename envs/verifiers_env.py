@@ -37,16 +37,18 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import inspect
 import itertools
 import json
 import logging
+import resource
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from envs import EnvError, EnvFactory, Step, failure
-from envs.tools import ToolCall, ToolEnv
+from envs.tools import ToolCall, ToolEnv, shown
 from envs.verifiers_rollout import Agents, Rollout, Seat, tool_name, toolsets
 
 SUPPORTED = "verifiers==0.4.0"  # the v1 API's internals this adapter uses
@@ -64,6 +66,7 @@ class _Loaded:
     tasks: list[Any]
     env: Any  # the vf.Env whose run(task, agents) plays an episode
     seat: str  # the name of its one agent
+    max_turns: int | None  # its agent config's turn limit (verifiers' RolloutLimits)
     schemas: tuple[dict, ...]
 
 
@@ -131,13 +134,51 @@ def _load_quietly(module: str, args: dict[str, Any]) -> _Loaded:
     if len(seats) != 1:
         raise EnvError(f"{name} has {len(seats)} agents ({', '.join(seats)}); echo-rl trains one policy and runs "
                        "no other model")  # fmt: skip
-    if type(env).finalize is not vf.Env.finalize:
-        raise EnvError(f"{name}'s Env has a finalize() (cross-trace judgement); echo-rl scores each episode alone")
+    env.taskset = taskset
+    for hook in ("finalize", "start", "stop"):
+        if getattr(type(env), hook) is not getattr(vf.Env, hook):
+            raise EnvError(f"{name}'s Env has its own {hook}(): echo-rl runs one rollout an episode, with no "
+                           "cross-trace judgement and no env-wide resources")  # fmt: skip
+    seat = getattr(env.config, seats[0])
+    caps = ("max_input_tokens", "max_output_tokens", "max_total_tokens")
+    if any(getattr(seat, cap, None) is not None for cap in caps):
+        raise EnvError(f"{name}'s agent has token limits; echo-rl's --max-episode-tokens bounds an episode's tokens")
     tasks = list(itertools.islice(iter(taskset), MAX_TASKS))
     if not tasks:
         raise EnvError(f"{name}'s taskset has no tasks")
+    _check_task(tasks[0], name)
+    _allow_open_files()
     schemas = asyncio.run(_tool_schemas(tasks[0]))
-    return _Loaded(name, tasks, env, seats[0], schemas)
+    return _Loaded(name, tasks, env, seats[0], seat.max_turns, schemas)
+
+
+def _check_task(task: Any, name: str) -> None:
+    """Refuse a task this adapter would run differently from verifiers: hooks that need a runtime (a sandbox),
+    stop conditions on a request or response rather than the trace (echo-rl checks the trace's)."""
+    import verifiers.v1 as vf
+    from verifiers.v1.session import hook_boundary
+
+    for hook in ("setup", "finalize"):
+        if getattr(type(task), hook) is not getattr(vf.Task, hook):
+            raise EnvError(f"{name}'s task has its own {hook}(trace, runtime); echo-rl runs tasks without a runtime")
+    for kind in ("reward", "metric"):
+        for fn in task.hooks(kind):
+            runtime = inspect.signature(fn).parameters.get("runtime")
+            if runtime is not None and runtime.default is inspect.Parameter.empty:
+                raise EnvError(f"{name}'s @vf.{kind} {fn.__name__} needs a runtime; echo-rl runs tasks without one")
+    for fn in task.hooks("stop"):
+        if hook_boundary(fn, allow_trace=True) is not vf.Trace:
+            raise EnvError(f"{name}'s @vf.stop {fn.__name__} reads a request or response; echo-rl checks stop "
+                           "conditions on the trace only")  # fmt: skip
+
+
+def _allow_open_files() -> None:
+    """Each live episode holds an event loop (3 file descriptors): raise the soft limit on open files to the
+    hard one (at most 2^20), as servers do, so a learner hosting many episodes does not run out."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = min(hard if hard != resource.RLIM_INFINITY else 1 << 20, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 async def _tool_schemas(task: Any) -> tuple[dict, ...]:
@@ -181,6 +222,9 @@ class VerifiersEnv(ToolEnv):
         new = self._next()
         if new is None:
             raise EnvError(f"{self.name}: task {seed % len(self.loaded.tasks)} ended before the model's first turn")
+        if any(m.role not in ("system", "user") for m in new):  # few-shot turns: not one user message
+            raise EnvError(f"{self.name}: task {seed % len(self.loaded.tasks)}'s prompt holds assistant or tool "
+                           "messages; echo-rl's first prompt is one user message")  # fmt: skip
         return _text(new)
 
     def step(self, action: str) -> Step:
@@ -194,13 +238,14 @@ class VerifiersEnv(ToolEnv):
         import verifiers.v1 as vf
 
         step = super().call_tools(calls)
-        ids = [f"call_{n}" for n in range(len(calls))]
         calls = calls if len(step.tool_results) == len(calls) else calls[:1]  # too many: one refusal answers
+        ids = [f"call_{n}" for n in range(len(calls))]
+        names = [shown(c.name) or "invalid" for c in calls]  # a lone surrogate in a name, escaped
         message = vf.AssistantMessage(content="", tool_calls=[
-            vf.ToolCall(id=i, name=c.name or "invalid", arguments=json.dumps(c.arguments))
-            for i, c in zip(ids, calls, strict=False)])  # fmt: skip
-        results = [vf.ToolMessage(tool_call_id=i, name=c.name or "invalid", content=r)
-                   for i, c, r in zip(ids, calls, step.tool_results, strict=False)]  # fmt: skip
+            vf.ToolCall(id=i, name=n, arguments=json.dumps(c.arguments))
+            for i, n, c in zip(ids, names, calls, strict=True)])  # fmt: skip
+        results = [vf.ToolMessage(tool_call_id=i, name=n, content=r)
+                   for i, n, r in zip(ids, names, step.tool_results, strict=True)]  # fmt: skip
         after = self._answer(message, results)
         return after if after.done else step
 
@@ -211,6 +256,8 @@ class VerifiersEnv(ToolEnv):
         if self.run is not None and not self.run.done():
             self.run.cancel()
             self.loop.run_until_complete(asyncio.wait([self.run]))
+        if self.run is not None and not self.run.cancelled():
+            self.run.exception()  # seen: asyncio would log a failed task nobody asked about
         self.loop.close()
         self.loop = self.run = None
 
@@ -240,7 +287,9 @@ class VerifiersEnv(ToolEnv):
     async def _play(self, task: Any) -> None:
         """The environment's own episode (Env.run) with this episode as its one agent, then the score."""
         seat = Seat(self)
-        await self.loaded.env.run(task, Agents({self.loaded.seat: seat}))
+        agents = Agents({self.loaded.seat: seat})
+        await self.loaded.env.setup(agents)
+        await self.loaded.env.run(task, agents)
         if seat.trace is None:
             raise EnvError(f"{self.name}: the environment's run() played no rollout")
         self.reward = float(seat.trace.reward)

@@ -7,6 +7,7 @@ through `_ask`; nothing here runs a model, a harness, an MCP server or a sandbox
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import time
@@ -45,15 +46,24 @@ class Seat:
 
     async def run(self, task: Any, **_: Any) -> Any:
         rollout = await self._open(task)
-        await rollout.segment(None)
+        try:
+            await rollout.segment(None)
+        except BaseException:  # an episode cut by a budget (cancelled) or failed is never scored
+            await rollout.abort()
+            raise
+        if rollout.trace.stop_condition is None:
+            rollout.trace.stop("agent_completed")
         return await self._close(rollout)
 
     def interaction(self, task: Any, **_: Any) -> Any:
         seat = self
 
         class Interaction:
+            """verifiers.v1.agent.Interaction: each turn(message) sends a user turn and runs one segment; after
+            the exchange ended (a terminated segment), a further turn raises, as verifiers' does."""
+
             async def __aenter__(self) -> Any:
-                self.rollout = await seat._open(task)
+                self.rollout, self.over = await seat._open(task), False
                 return self
 
             @property
@@ -61,9 +71,16 @@ class Seat:
                 return self.rollout.trace
 
             async def turn(self, message: Any = None) -> Any:
-                return await self.rollout.segment(message)
+                if self.over:
+                    raise RuntimeError("the exchange is over (the run ended); read interaction.trace")
+                segment = await self.rollout.segment(message)
+                self.over = segment.terminated
+                return segment
 
-            async def __aexit__(self, *exc: Any) -> None:
+            async def __aexit__(self, kind: type | None, *exc: Any) -> None:
+                if kind is not None:  # cancelled (a budget ended the episode) or failed: not scored
+                    await self.rollout.abort()
+                    return
                 if self.rollout.trace.stop_condition is None:
                     self.rollout.trace.stop("user_closed")
                 await seat._close(self.rollout)
@@ -74,7 +91,11 @@ class Seat:
         if self.trace is not None or self.episode.rollout is not None:
             raise EnvError(f"{self.episode.name}: the environment plays several rollouts in one episode")
         rollout = self.episode.rollout = Rollout(task, self.episode)
-        await rollout.open()
+        try:
+            await rollout.open()
+        except BaseException:
+            await rollout.abort()
+            raise
         return rollout
 
     async def _close(self, rollout: Rollout) -> Any:
@@ -96,8 +117,10 @@ class Rollout:
         self.trace = vf.Trace(task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
                               state=state_cls(type(task))(), agent=AgentInfo(config=vf.AgentConfig()))  # fmt: skip
         stops = [fn for fn in task.hooks("stop") if hook_boundary(fn, allow_trace=True) is vf.Trace]
+        limits = RolloutLimits(max_turns=episode.loaded.max_turns)
         self.session = RolloutSession(ctx=vf.ModelContext(model="echo-rl", client=vf.EvalClientConfig()),
-                                      trace=self.trace, trace_stops=stops, limits=RolloutLimits())  # fmt: skip
+                                      trace=self.trace, trace_stops=stops, limits=limits)  # fmt: skip
+        self.stack = contextlib.AsyncExitStack()  # the toolsets' own exit stacks, as their servers hold them
         self.tools: list[Any] = []  # vf.Tool of each schema, as the trace records the tools offered
         self.conversation: list[Any] = []
         self.seen = 0  # messages of the conversation the model has seen
@@ -111,6 +134,7 @@ class Rollout:
         from verifiers.v1.utils.decorators import discover_decorated
 
         for toolset in toolsets(self.task):
+            await self.stack.enter_async_context(toolset._exit_stack)
             await toolset.setup()
             await toolset.setup_task(self.task)
             for fn in discover_decorated(toolset, "tool"):
@@ -150,6 +174,8 @@ class Rollout:
         from verifiers.v1.agent import Segment
         from verifiers.v1.dialects import parse_message
 
+        if self.trace.stop_condition is not None:  # the run already ended: nothing more is asked
+            return Segment(messages=[], terminated=True)
         if isinstance(message, str):
             self.conversation.append(vf.UserMessage(content=message))
         elif message is not None:
@@ -172,9 +198,16 @@ class Rollout:
             return Segment(messages=[], terminated=True)
         return Segment(messages=sampled, root_reply=None)
 
+    async def abort(self) -> None:
+        """Free what the rollout holds (its toolsets' exit stacks) without scoring it."""
+        await self.stack.aclose()
+
     async def score(self) -> Any:
         """The task's rubric on the finished trace (its rewards' weighted sum is trace.reward)."""
-        await self.task.score(self.trace)
+        try:
+            await self.task.score(self.trace)
+        finally:
+            await self.stack.aclose()
         if self.trace.errors:
             raise EnvError(f"scoring failed: {self.trace.errors[-1].message.splitlines()[0][:200]}")
         self.trace.is_completed = self.trace.ok = True

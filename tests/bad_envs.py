@@ -50,3 +50,15 @@ class Noisy:
         self.turn += 1
         return Step(f"nonce {os.urandom(4).hex()} at {time.time():.6f}; again.",
                     reward=float(any(c.isdigit() for c in action)), done=self.turn == 3)  # fmt: skip
+
+
+class RandomStart:
+    """Starts each episode somewhere else whatever its seed: a group's episodes would not share their prompt."""
+
+    def reset(self, seed: int) -> str:
+        import os
+
+        return f"Board {os.urandom(4).hex()}: your move."
+
+    def step(self, action: str) -> Step:
+        return Step(reward=1.0, done=True)

@@ -1,6 +1,6 @@
 """An OpenEnv environment server for the tests (envs/openenv_env.py): a number-guessing game whose every
-observation carries a random nonce, so no worker could replay it. `serve()` runs it on 127.0.0.1 in a
-thread of the calling process, as `openenv serve` would run it anywhere else."""
+observation after the first carries a random nonce and the clock, so no worker could replay it. `serve()`
+runs it on 127.0.0.1 in a thread of the calling process, as `openenv serve` would run it anywhere else."""
 
 from __future__ import annotations
 
@@ -37,8 +37,7 @@ class GuessEnv(Environment[GuessAction, GuessObservation, State]):
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> GuessObservation:
         self._state = State(episode_id=episode_id, step_count=0)
         self.secret = random.Random(seed).randint(1, 4)
-        nonce = os.urandom(4).hex()  # what makes an episode impossible to replay
-        return GuessObservation(prompt=f"Game {nonce}: guess my number from 1 to 4. Reply with one number.")
+        return GuessObservation(prompt="Guess my number from 1 to 4. Reply with one number.")
 
     def step(self, action: GuessAction, timeout_s: float | None = None, **kwargs: Any) -> GuessObservation:
         self._state.step_count += 1
@@ -46,7 +45,9 @@ class GuessEnv(Environment[GuessAction, GuessObservation, State]):
         if guesses and int(guesses[-1]) == self.secret:
             return GuessObservation(prompt="", reward=1.0, done=True)
         hint = "no number" if not guesses else "higher" if int(guesses[-1]) < self.secret else "lower"
-        return GuessObservation(prompt=f"{hint} (at {time.time_ns()})", reward=0.0, done=self._state.step_count >= 3)
+        nonce = os.urandom(4).hex()  # what makes an episode impossible to replay
+        return GuessObservation(prompt=f"{hint} (game {nonce} at {time.time_ns()})", reward=0.0,
+                                done=self._state.step_count >= 3)  # fmt: skip
 
     @property
     def state(self) -> State:

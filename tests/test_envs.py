@@ -269,6 +269,7 @@ def test_observation_tokens_get_exactly_zero_gradient(tiny):
         ("examples.guess_env", {}, "unknown environment"),
         ("examples.guess_env:", {}, "module:Class"),
         ("tests.bad_envs:Broken", {}, "failed to start an episode: RuntimeError: no board today"),
+        ("tests.bad_envs:RandomStart", {}, "reset(0) gave two different first messages; the first message must"),
         ("examples.guess_env:GuessEnv", {"low": 3}, "has no argument 'low'"),
         ("sokoban", {"size": 40}, "size must be between 5 and 10"),
         ("verifiers:no_such_env", {}, "cannot import 'no_such_env'"),

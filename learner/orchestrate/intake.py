@@ -61,8 +61,13 @@ class PromptBook:
 
     def __getitem__(self, group_id: int) -> tuple[Problem, list[int]]:
         with self._lock:
+            if group_id in self._problems:
+                return self._problems[group_id]
+        # drawn outside the lock: an environment's reset may wait on a service (envs.openenv_env), and other
+        # leases' steps need the book meanwhile; a group drawn twice at once is the same draw, the first kept
+        problem = self.task.sample(random.Random(step_seed(self.seed, group_id)))
+        with self._lock:  # rendered under it: the tokenizer is not shared across threads
             if group_id not in self._problems:
-                problem = self.task.sample(random.Random(step_seed(self.seed, group_id)))
                 self._problems[group_id] = (problem, self.source.prompt(problem))
             return self._problems[group_id]
 
