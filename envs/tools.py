@@ -103,9 +103,48 @@ def parse_llama3_json(text: str) -> list[ToolCall]:
     return _calls_from_json(blobs, "parameters")
 
 
+_MISTRAL_CALL = re.compile(r"\s*([^\[\]]{1,100}?)\s*(?:\[CALL_ID\][^\[\]]{0,64})?\[ARGS\]", re.DOTALL)
+
+
+def parse_mistral(text: str) -> list[ToolCall]:
+    """Mistral (Ministral 3, Devstral, Magistral, Mistral Small 3.2): each call is [TOOL_CALLS], the tool's name,
+    [ARGS] and its arguments as a JSON object (a [CALL_ID] may sit before [ARGS]); Mistral Nemo's form,
+    [TOOL_CALLS] and a JSON list of {"name", "arguments"}, is read too. Text before the first [TOOL_CALLS]
+    is not a call."""
+    parts = text.split("[TOOL_CALLS]")[1 : MAX_CALLS + 2]  # no further than what is refused
+    calls = []
+    decoder = json.JSONDecoder()
+    for part in parts:
+        if part.lstrip().startswith("["):  # Nemo: a JSON list of calls
+            try:
+                listed, _ = decoder.raw_decode(part.lstrip())
+            except (ValueError, RecursionError):
+                listed = None
+            if not isinstance(listed, list):
+                calls.append(ToolCall("", {}, 'calls are a JSON list [{"name": "<tool>", "arguments": {...}}]'))
+                continue
+            calls += _calls_from_json([json.dumps(c) for c in listed[: MAX_CALLS + 1]], "arguments")
+            continue
+        head = _MISTRAL_CALL.match(part)
+        if head is None:
+            calls.append(ToolCall("", {}, "a call is the tool's name, [ARGS] and its arguments as a JSON object"))
+            continue
+        arguments = part[head.end() :].strip()
+        try:
+            args, _ = decoder.raw_decode(arguments)
+        except (ValueError, RecursionError):
+            args = None
+        if not isinstance(args, dict) or _depth(args) > MAX_DEPTH:
+            calls.append(ToolCall("", {}, "a call's arguments after [ARGS] are a JSON object"))
+        else:
+            calls.append(ToolCall(head.group(1).strip(), args))
+    return calls[: MAX_CALLS + 1]
+
+
 TOOL_FORMATS: dict[str, Callable[[str], list[ToolCall]]] = {
     "hermes": parse_hermes,
     "llama3_json": parse_llama3_json,
+    "mistral": parse_mistral,
 }
 GENERIC_FORMAT = "hermes"  # the format of GENERIC_INSTRUCTIONS, for templates without a tool section
 

@@ -12,7 +12,7 @@ from envs import EnvError, EnvSpec, Step, make_env
 from envs.calculator import calculate
 from envs.chat import ChatFormat
 from envs.episode import EpisodeRules, ReplayError, play_episodes, replay_episode
-from envs.tools import MAX_CALLS, MAX_RESULT, ToolCall, ToolEnv, parse_hermes, parse_llama3_json
+from envs.tools import MAX_CALLS, MAX_RESULT, ToolCall, ToolEnv, parse_hermes, parse_llama3_json, parse_mistral
 from learner.tasks.environment import EnvironmentTask
 from learner.train.chat_templates import render_user_turn, tool_format, tool_frame
 from learner.train.models import chat_format, load_policy, tiny_tokenizer
@@ -32,7 +32,10 @@ RELEASED = [
     ("ibm-granite-granite-4.0.jinja", "hermes", True),
     ("meta-llama-Llama-3.2-3B-Instruct.jinja", "llama3_json", True),
     ("meta-llama-Llama-3.3-70B-Instruct.jinja", "llama3_json", True),
-    ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "hermes", False),  # [TOOL_CALLS]: not read, generic
+    ("mistralai-Ministral-3-14B-Reasoning-2512.jinja", "mistral", True),  # [TOOL_CALLS]name[ARGS]{...}
+    ("unsloth-mistral-Devstral-Small-2507.jinja", "mistral", True),
+    ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "hermes", False),  # results carry the call's id: generic
+    ("Mistral-Small-3.2-24B-Instruct-2506.jinja", "hermes", False),  # likewise
     ("GLM-4.6.jinja", "hermes", False),  # <tool_call> with XML arguments inside: not read, generic
     ("Qwen3-Coder.jinja", "hermes", False),  # <tool_call><function=...>: likewise
     ("google-gemma-2-2b-it.jinja", "hermes", False),
@@ -62,6 +65,18 @@ def test_hermes_calls_are_read_and_malformed_ones_say_why():
     assert parse_hermes("<tool_call>" + "[" * 100_000 + "</tool_call>")[0].error  # no RecursionError
     many = "".join('<tool_call>{"name": "f", "arguments": {}}</tool_call>' for _ in range(1000))
     assert len(parse_hermes(many)) == MAX_CALLS + 1  # read no further than what is refused
+
+
+def test_mistral_calls_are_read_in_both_of_its_forms():
+    text = ('[TOOL_CALLS]calculate[ARGS]{"expression": "2*3"}[TOOL_CALLS]calculate[CALL_ID]a1b2C3d4e[ARGS]'
+            '{"expression": "4"}[TOOL_CALLS]calculate[ARGS]{bad[TOOL_CALLS]just words')  # fmt: skip
+    calls = parse_mistral(text)
+    assert [c.arguments for c in calls[:2]] == [{"expression": "2*3"}, {"expression": "4"}]
+    assert all(c.name == "calculate" for c in calls[:2]) and calls[2].error and calls[3].error
+    nemo = '[TOOL_CALLS][{"name": "calculate", "arguments": {"expression": "1"}, "id": "abcdefghi"}]'
+    assert parse_mistral(nemo) == [ToolCall("calculate", {"expression": "1"})]
+    assert parse_mistral("It is 6.") == [] and parse_mistral("[TOOL_CALLS]" + "[" * 100_000)[0].error
+    assert len(parse_mistral('[TOOL_CALLS]f[ARGS]{}' * 1000)) == MAX_CALLS + 1  # refused as one, at the env
 
 
 def test_llama3_calls_are_a_bare_json_answer():
@@ -220,6 +235,20 @@ def test_a_llama3_template_episode_reads_bare_json_calls():
     assert rules.chat.tool_format == "llama3_json" and rules.chat.tool_json
     text = policy.tokenizer.decode(episode.tokens)
     assert f'<|start_header_id|>ipython<|end_header_id|>\n\n"{calculate(expr)}"<|eot_id|>' in text
+    assert episode.reward == replay_episode(episode, problem.answer, rules).reward == -0.125 + (calculate(expr) == "0")
+
+
+def test_a_ministral_template_episode_reads_its_tool_calls_tokens():
+    policy = load_policy("tiny", "unused")
+    policy.tokenizer.chat_template = (TEMPLATES / "mistralai-Ministral-3-14B-Reasoning-2512.jinja").read_text()
+
+    def turns(expr):
+        return ['[TOOL_CALLS]calculate[ARGS]' + json.dumps({"expression": expr}), "So it is 0."]
+
+    rules, problem, episode, expr = tool_episode(policy, turns)
+    assert rules.chat.tool_format == "mistral" and not rules.chat.tool_json
+    text = policy.tokenizer.decode(episode.tokens)
+    assert f"[TOOL_RESULTS]{calculate(expr)}[/TOOL_RESULTS]" in text and len(episode.spans) == 3
     assert episode.reward == replay_episode(episode, problem.answer, rules).reward == -0.125 + (calculate(expr) == "0")
 
 

@@ -2,7 +2,8 @@
 
 Three facts decide how a tool environment's episodes are written for a model (envs.tools, envs.chat):
 - its tool-call format: the template's tool section says how to call (Qwen2.5/Qwen3/Hermes: <tool_call>
-  JSON, "hermes"; Llama 3.1-3.3: a bare JSON object with "parameters", "llama3_json"); a template that
+  JSON, "hermes"; Llama 3.1-3.3: a bare JSON object with "parameters", "llama3_json"; Mistral's
+  [AVAILABLE_TOOLS] with [TOOL_CALLS]name[ARGS]{...} calls, "mistral"); a template that
   ignores tools, or describes them in a format no parser here reads, gets envs.tools.GENERIC_INSTRUCTIONS in
   the first user message and the Hermes format instead ("generic": logged when a tool environment starts);
 - how it writes tool messages after an assistant turn (the tool frame), or None where it has no tool role;
@@ -46,6 +47,12 @@ def tool_format(tokenizer: object) -> tuple[str, bool]:
         for name, marker in FORMAT_MARKERS.items():
             if marker.search(text):
                 return name, True
+        # Mistral's templates list the tools in [AVAILABLE_TOOLS] and say nothing of the call format (the model
+        # learned it); only those that write a tool result without the call's id ([TOOL_RESULTS]result, as
+        # Ministral 3 and Devstral do) are read: results written with ids the model made up are not
+        if "[AVAILABLE_TOOLS]" in text and "[ARGS]" in str(getattr(tokenizer, "chat_template", "")):
+            if tool_frame(tokenizer)[0] is not None:
+                return "mistral", True
     return GENERIC_FORMAT, False
 
 
