@@ -136,14 +136,14 @@ def _check_args(cls: type, name: str, args: dict[str, Any]) -> None:
 
 def _try(factory: EnvFactory, name: str) -> None:
     try:
-        first = first_message(factory, 0)
+        first, again = first_message(factory, 0), first_message(factory, 0)
     except EnvError:
         raise
     except Exception as exc:  # noqa: BLE001 - a user's environment failing its first episode, in one line
         raise EnvError(f"environment {name!r} failed to start an episode: {failure(exc)}") from None
     if not isinstance(first, str):
         raise EnvError(f"environment {name!r}: reset(seed) must return the first user message as a str")
-    if first_message(factory, 0) != first:  # a group's episodes, and its prompt, must start alike
+    if again != first:  # a group's episodes, and its prompt, must start alike
         raise EnvError(f"environment {name!r}: reset(0) gave two different first messages; the first message must "
                        "depend on the seed only (a group's episodes share their prompt; later observations may vary)")
 

@@ -39,14 +39,18 @@ from p2p.wire import FrameError, bounded_decompress
 
 MAX_TOKENIZER_JSON = 64 << 20  # bytes of a tokenizer a worker accepts from the learner, decompressed
 GENERIC_TOOL_FRAME = ("<tool_response>\n", "\n</tool_response>\n<tool_response>\n", "\n</tool_response>")
-THINK = ("<think>", "</think>")  # a reasoning model's thinking block, one token each in its vocabulary
+# a reasoning model's thinking block, one token each in its vocabulary: Qwen3/DeepSeek's, Magistral/Ministral's
+THINK = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
 
 
 def think_ids(token_id: Callable[[str], int | None]) -> tuple[int, int] | None:
-    """(<think>, </think>) ids of a vocabulary (`token_id`: a token's id or None), or None for a model whose
-    vocabulary has no single thinking tokens."""
-    ids = [token_id(t) for t in THINK]
-    return (ids[0], ids[1]) if None not in ids else None
+    """The (open, close) thinking token ids of a vocabulary (`token_id`: a token's id or None): the first pair
+    of THINK it has; None for a model whose vocabulary has no single thinking tokens."""
+    for pair in THINK:
+        ids = [token_id(t) for t in pair]
+        if None not in ids:
+            return ids[0], ids[1]
+    return None
 
 
 def without_thinking(tokens: list[int], think: tuple[int, int] | None) -> list[int]:

@@ -46,23 +46,58 @@ def _calls_from_json(blobs: list[str], args_key: str) -> list[ToolCall]:
     """Calls from JSON objects {"name": ..., args_key: {...}} (the arguments may also be a JSON string)."""
     calls = []
     for blob in blobs:
-        try:
-            value = json.loads(blob)
-        except (ValueError, RecursionError):
-            calls.append(ToolCall("", {}, "the call is not valid JSON"))
-            continue
-        args = value.get(args_key, {}) if isinstance(value, dict) else None
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except (ValueError, RecursionError):
-                args = None
-        name = value.get("name") if isinstance(value, dict) else None
-        if not isinstance(name, str) or not isinstance(args, dict) or _depth(args) > MAX_DEPTH:
-            calls.append(ToolCall("", {}, f'a call is a JSON object {{"name": "<tool>", "{args_key}": {{...}}}}'))
+        if _nesting(blob) > MAX_DEPTH + 2:
+            value = None  # refused before decoding: how deep a decoder gets depends on the machine's stack
         else:
-            calls.append(ToolCall(name[:100], args))
+            try:
+                value = json.loads(blob)
+            except ValueError:
+                calls.append(ToolCall("", {}, "the call is not valid JSON"))
+                continue
+        calls.append(_call_from_value(value, args_key))
     return calls
+
+
+def _call_from_value(value: object, args_key: str) -> ToolCall:
+    """A call from a decoded JSON value {"name": ..., args_key: {...}} (the arguments may be a JSON string)."""
+    args = value.get(args_key, {}) if isinstance(value, dict) else None
+    if isinstance(args, str):
+        args = _json_prefix(args, json.JSONDecoder(), whole=True)
+    name = value.get("name") if isinstance(value, dict) else None
+    if not isinstance(name, str) or not isinstance(args, dict) or _depth(args) > MAX_DEPTH:
+        return ToolCall("", {}, f'a call is a JSON object {{"name": "<tool>", "{args_key}": {{...}}}}')
+    return ToolCall(name[:100], args)
+
+
+def _json_prefix(text: str, decoder: json.JSONDecoder, whole: bool = False) -> object:
+    """The JSON value `text` starts with (all of `text` if `whole`), or None: not JSON, or nested deeper than
+    MAX_DEPTH + 2 (refused before decoding, so no machine's stack depth decides)."""
+    if _nesting(text) > MAX_DEPTH + 2:
+        return None
+    try:
+        value, end = decoder.raw_decode(text)
+    except ValueError:
+        return None
+    return value if not whole or not text[end:].strip() else None
+
+
+def _nesting(text: str) -> int:
+    """How deep `text`'s brackets nest outside JSON strings (a linear scan, stopping past MAX_DEPTH + 2)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > MAX_DEPTH + 2:
+                break
+        elif char in "]}":
+            depth -= 1
+    return deepest
 
 
 def _depth(value: object, level: int = 0) -> int:
@@ -93,6 +128,9 @@ def parse_llama3_json(text: str) -> list[ToolCall]:
         return []
     decoder = json.JSONDecoder()
     while at < len(text) and len(blobs) <= MAX_CALLS:
+        if _nesting(text[at:]) > MAX_DEPTH + 2:  # not decoded: how deep a decoder gets is the machine's stack's
+            blobs.append(text[at:])
+            break
         try:
             _, end = decoder.raw_decode(text, at)
         except (ValueError, RecursionError):
@@ -103,7 +141,8 @@ def parse_llama3_json(text: str) -> list[ToolCall]:
     return _calls_from_json(blobs, "parameters")
 
 
-_MISTRAL_CALL = re.compile(r"\s*([^\[\]]{1,100}?)\s*(?:\[CALL_ID\][^\[\]]{0,64})?\[ARGS\]", re.DOTALL)
+# possessive: a name's surrounding whitespace is never re-split (backtracking over it is quadratic)
+_MISTRAL_CALL = re.compile(r"\s*+([^\[\]]{1,100}?)\s*+(?:\[CALL_ID\][^\[\]]{0,64})?\[ARGS\]", re.DOTALL)
 
 
 def parse_mistral(text: str) -> list[ToolCall]:
@@ -116,24 +155,17 @@ def parse_mistral(text: str) -> list[ToolCall]:
     decoder = json.JSONDecoder()
     for part in parts:
         if part.lstrip().startswith("["):  # Nemo: a JSON list of calls
-            try:
-                listed, _ = decoder.raw_decode(part.lstrip())
-            except (ValueError, RecursionError):
-                listed = None
+            listed = _json_prefix(part.lstrip(), decoder)
             if not isinstance(listed, list):
                 calls.append(ToolCall("", {}, 'calls are a JSON list [{"name": "<tool>", "arguments": {...}}]'))
                 continue
-            calls += _calls_from_json([json.dumps(c) for c in listed[: MAX_CALLS + 1]], "arguments")
+            calls += [_call_from_value(value, "arguments") for value in listed[: MAX_CALLS + 1]]
             continue
         head = _MISTRAL_CALL.match(part)
         if head is None:
             calls.append(ToolCall("", {}, "a call is the tool's name, [ARGS] and its arguments as a JSON object"))
             continue
-        arguments = part[head.end() :].strip()
-        try:
-            args, _ = decoder.raw_decode(arguments)
-        except (ValueError, RecursionError):
-            args = None
+        args = _json_prefix(part[head.end() :].strip(), decoder)
         if not isinstance(args, dict) or _depth(args) > MAX_DEPTH:
             calls.append(ToolCall("", {}, "a call's arguments after [ARGS] are a JSON object"))
         else:

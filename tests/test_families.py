@@ -443,6 +443,9 @@ def test_a_reasoning_model_is_rewarded_for_its_answer_not_its_thinking(tmp_path)
     task = ArithmeticTask()
     assert task.reward(policy.response(answered), 19) == 1.0 and task.reward(policy.response(cut), 19) == 0.0
     assert without_thinking(answered, None) == answered  # a model without thinking tokens: all of its turn
+    from envs.chat import think_ids  # Magistral's and Ministral's [THINK] ... [/THINK] count as thinking too
+
+    assert think_ids({"[THINK]": 5, "[/THINK]": 6}.get) == (5, 6) and think_ids({"<think>": 1}.get) is None
     assert load_policy(str(save_family("qwen3", tmp_path / "tiny")), "unused").think is None
 
 

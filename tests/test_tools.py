@@ -77,6 +77,21 @@ def test_mistral_calls_are_read_in_both_of_its_forms():
     assert parse_mistral(nemo) == [ToolCall("calculate", {"expression": "1"})]
     assert parse_mistral("It is 6.") == [] and parse_mistral("[TOOL_CALLS]" + "[" * 100_000)[0].error
     assert len(parse_mistral('[TOOL_CALLS]f[ARGS]{}' * 1000)) == MAX_CALLS + 1  # refused as one, at the env
+    assert parse_mistral("[TOOL_CALLS]" + " " * 20_000)[0].error  # linear: no backtracking over the blanks
+
+
+def test_deep_json_in_a_call_is_refused_alike_whatever_the_stack():
+    """How deep a JSON decoder gets depends on the machine's stack: a worker and the learner must read a deeply
+    nested call the same way, so nesting past MAX_DEPTH + 2 is refused before decoding."""
+    texts = ["[TOOL_CALLS][" + "[" * 950 + "]" * 950 + "]", "<tool_call>" + '{"a": ' * 950 + "1" + "}" * 950,
+             '{"name": "f", "parameters": ' + "[" * 950 + "]" * 950 + "}"]  # fmt: skip
+    parsers = [parse_mistral, parse_hermes, parse_llama3_json]
+
+    def deeper(n, parse, text):
+        return parse(text) if n == 0 else deeper(n - 1, parse, text)
+
+    for parse, text in zip(parsers, texts, strict=True):
+        assert parse(text) == deeper(300, parse, text) and parse(text)[0].error
 
 
 def test_llama3_calls_are_a_bare_json_answer():

@@ -43,6 +43,7 @@ from p2p.host import BadRequest, Misbehaviour
 from p2p.messages import GenerationRequest, MessageError, RolloutReply, RolloutSubmission
 from p2p.wire import FrameLimits
 
+FORGOTTEN = 4096  # scored groups remembered, so that a draw under way as one is scored does not keep it again
 ANSWERED_KEPT = 1024  # replies to submissions kept, so that a worker's resend gets the same answer
 RESEND_WAIT = 120.0  # seconds a resend waits for the answer to its first sending, still being checked
 
@@ -57,6 +58,7 @@ class PromptBook:
         self.task, self.policy, self.seed = task, policy, seed
         self.source = RolloutSource(task, policy)  # a task's prompts or an environment's episode seeds
         self._problems: dict[int, tuple[Problem, list[int]]] = {}
+        self._forgotten: OrderedDict[int, None] = OrderedDict()  # the groups scored last (FORGOTTEN of them)
         self._lock = threading.Lock()
 
     def __getitem__(self, group_id: int) -> tuple[Problem, list[int]]:
@@ -67,9 +69,12 @@ class PromptBook:
         # leases' steps need the book meanwhile; a group drawn twice at once is the same draw, the first kept
         problem = self.task.sample(random.Random(step_seed(self.seed, group_id)))
         with self._lock:  # rendered under it: the tokenizer is not shared across threads
-            if group_id not in self._problems:
-                self._problems[group_id] = (problem, self.source.prompt(problem))
-            return self._problems[group_id]
+            if group_id in self._problems:
+                return self._problems[group_id]
+            drawn = (problem, self.source.prompt(problem))
+            if group_id not in self._forgotten:  # scored while it was drawn: not kept again
+                self._problems[group_id] = drawn
+            return drawn
 
     def request(self, group_id: int, group_size: int) -> GenerationRequest:
         """What a lease asks of group `group_id`: its prompt G times (an environment's: G episodes of its seed)."""
@@ -80,6 +85,9 @@ class PromptBook:
         with self._lock:
             for g in group_ids:
                 self._problems.pop(g, None)
+                self._forgotten[g] = None
+            while len(self._forgotten) > FORGOTTEN:
+                self._forgotten.popitem(last=False)
 
 
 class RolloutIntake:
