@@ -55,7 +55,6 @@ SUPPORTED = "verifiers==0.4.0"  # the v1 API's internals this adapter uses
 MAX_TASKS = 100_000  # tasks of a taskset an episode's seed chooses among (a taskset may be infinite)
 _loaded_envs: dict[tuple[str, str], _Loaded] = {}
 _loading = threading.Lock()
-log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -18,13 +18,11 @@ hosts is refused without a flag (BadRequest): only an episode that differs from 
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from envs import failure
 from envs.episode import EpisodeRules, HostedEpisode, ReplayError
 from learner.config import LearnerConfig
 from p2p.host import BadRequest, Misbehaviour
@@ -34,7 +32,6 @@ from p2p.wire import FrameLimits
 MAX_LEASES = 1024  # leases whose episodes are hosted at once (one per worker)
 STEP_CONCURRENCY = 8  # ENV_STEP requests answered at once: the other protocols keep their threads
 LiveLease = Callable[[int], tuple[str, list[GenerationRequest]] | None]  # a live lease's worker and requests
-log = logging.getLogger(__name__)
 
 
 def env_step_limits(cfg: LearnerConfig) -> FrameLimits:
@@ -61,10 +58,7 @@ class _HostedLease:
         with self.lock:
             self.closed = True
             for episode in self.episodes.values():
-                try:
-                    episode.close()
-                except Exception as exc:  # noqa: BLE001 - the environment's close(): logged, the rest closed
-                    log.warning("a hosted environment's close() raised: %s", failure(exc))
+                episode.close()  # envs.close_env: a close() that raises is logged, the rest still closed
             self.episodes.clear()
 
 
