@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -224,6 +225,13 @@ MIN_TOKENS_PER_S = 1e-3
 no worker, and a tiny float (1e-307) would be flushed to 0 by the learner's arithmetic and divide by zero."""
 
 
+def subnormal(x: float) -> bool:
+    """Whether `x` is a nonzero subnormal float, read from its bits: the learner runs with flush-to-zero
+    (torch.set_flush_denormal), under which a subnormal such as 5e-324 compares equal to 0."""
+    bits = struct.unpack("<Q", struct.pack("<d", x))[0]
+    return bits & 0x7FF0_0000_0000_0000 == 0 and bits & 0x000F_FFFF_FFFF_FFFF != 0
+
+
 def _int(msg: dict, key: str, low: int, high: int, default: int | None = None) -> int:
     value = msg.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
@@ -305,7 +313,7 @@ class Heartbeat:
             elif isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 20:
                 kept[key] = value
         tokens_per_s = _float(msg, "tokens_per_s", 0.0, MAX_RATE, 0.0)
-        if 0.0 < tokens_per_s < MIN_TOKENS_PER_S:
+        if subnormal(tokens_per_s) or 0.0 < tokens_per_s < MIN_TOKENS_PER_S:
             raise MessageError(f"'tokens_per_s' must be 0 (unmeasured) or >= {MIN_TOKENS_PER_S}, got {tokens_per_s!r}")
         price = _float(msg, "price", 0.0, MAX_RATE, 0.0)
         punched = _int(msg, "punched", 0, 1 << 16, 0)

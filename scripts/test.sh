@@ -5,7 +5,9 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 .venv/bin/ruff check .
 set +e
-.venv/bin/python -m pytest "$@"
+# Two processes (pytest-xdist), each running whole files: most of the suite's time is learner and worker
+# subprocesses waiting on each other, so two at once finish sooner even on 2 cores. TEST_PROCESSES=0: one.
+.venv/bin/python -m pytest -n "${TEST_PROCESSES:-2}" --dist loadfile "$@"
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then

@@ -15,6 +15,23 @@ def tiny():
     return tiny_policy(seed=0)
 
 
+# Files of learner and worker swarms that run for minutes: collected first, so that under pytest-xdist
+# (scripts/test.sh: two processes, a file at a time) they start early and the short files fill in beside them,
+# instead of one long file running alone at the end.
+LONG_FILES = (
+    "test_distributed.py", "test_families.py", "chaos/test_kills.py", "chaos/test_nat.py", "test_env_swarm.py",
+    "test_hosted.py", "chaos/test_open_swarm.py", "test_report.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        path = item.path.as_posix()
+        return next((i for i, name in enumerate(LONG_FILES) if path.endswith("tests/" + name)), len(LONG_FILES))
+
+    items.sort(key=rank)  # stable: within a file and among the rest, collection order
+
+
 # every kind of environment: the built-ins, a module:Class plugin, a verifiers one, one that raises now and then
 EVERY_ENV = [
     "sokoban", "calculator", "calculator-tools", "kuhn-poker", "examples.guess_env:GuessEnv",

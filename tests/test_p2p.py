@@ -258,7 +258,11 @@ def test_a_hole_punch_is_relayed_only_for_allowed_peers_and_dials_only_where_the
     assert not a.punch(b.peer_id, relay.addrs[0], timeout=8) and not a.direct(b.peer_id)
     a.allow_punch(b.peer_id, "127.0.0.1")
     b.allow_punch(a.peer_id, "127.0.0.1")
-    assert a.punch(b.peer_id, relay.addrs[0], timeout=30) and a.direct(b.peer_id) and b.direct(a.peer_id)
+    # On loopback a's dial can reach b's listener before b's own dial leaves (through NAT routers b's router
+    # drops it): both ends then wait as Noise responders and that round fails. The swarm punches again after
+    # DIAL_RETRY; so does the test (CI lost all three rounds of one punch once).
+    assert any(a.punch(b.peer_id, relay.addrs[0], timeout=30) for _ in range(3))
+    assert a.direct(b.peer_id) and b.direct(a.peer_id)
     assert a.request(b.peer_id, "/echo/test/1", {}) == {"from": a.peer_id}
 
 

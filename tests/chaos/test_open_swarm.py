@@ -13,10 +13,18 @@ from p2p.messages import Heartbeat, MessageError
 from tests.chaos.adversary import Adversary, hoard_leases
 
 
-def test_declared_rates_below_any_hardware_are_refused_at_the_boundary():
-    for bad in (1e-307, 5e-324, 1e-4, float("nan"), -1.0, float("inf")):
-        with pytest.raises(MessageError, match="tokens_per_s"):
-            Heartbeat.from_wire({"version": 0, "tokens_per_s": bad})
+@pytest.mark.parametrize("flush_denormal", [False, True])
+def test_declared_rates_below_any_hardware_are_refused_at_the_boundary(flush_denormal):
+    """Also with flush-to-zero on, as the learner runs (a subnormal then compares equal to 0)."""
+    import torch
+
+    torch.set_flush_denormal(flush_denormal)
+    try:
+        for bad in (1e-307, 5e-324, 1e-4, float("nan"), -1.0, float("inf")):
+            with pytest.raises(MessageError, match="tokens_per_s"):
+                Heartbeat.from_wire({"version": 0, "tokens_per_s": bad})
+    finally:
+        torch.set_flush_denormal(False)
     assert Heartbeat.from_wire({"version": 0, "tokens_per_s": 0.0}).tokens_per_s == 0.0  # unmeasured
     assert Heartbeat.from_wire({"version": 0, "tokens_per_s": 2.5, "price": 5e-324}).price == 5e-324  # harmless
 
