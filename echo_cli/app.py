@@ -18,6 +18,7 @@ from echo_cli.live import show_learner, show_worker
 from echo_cli.research import eval_command, export_command
 from echo_cli.terminal import console, fail, setup_logging, user_errors
 from learner.config import LearnerConfig
+from learner.serve.config import ServeRootConfig
 from p2p.config import ConfigError
 from worker.config import WorkerRootConfig
 
@@ -25,7 +26,8 @@ from worker.config import WorkerRootConfig
 class CommandsInOrder(TyperGroup):
     """`echo-rl --help` lists commands in the order a user meets them, not alphabetically."""
 
-    ORDER = ("learner", "worker", "status", "report", "eval", "export", "plan", "fit", "simulate", "bench", "secret")
+    ORDER = ("learner", "worker", "serve", "status", "report", "eval", "export", "plan", "fit", "simulate", "bench",
+             "secret")  # fmt: skip
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         names = super().list_commands(ctx)
@@ -131,6 +133,23 @@ def worker_join(
     try:
         show_worker(daemon, console)
     except user_errors() as exc:  # e.g. a --max-batch below the learner's group size, found on joining
+        raise fail(str(exc)) from None
+
+
+@app.command("serve")
+@with_config_flags(ServeRootConfig)
+def serve(
+    overrides: dict,
+    config: Path | None = typer.Option(None, "--config", help=r"TOML file with a \[serve] table."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+) -> None:
+    """Serve the Tinker API to the official `tinker` SDK: training clients so far (docs/tinker.md)."""
+    from echo_cli.serve import run_server
+
+    setup_logging(verbose)
+    try:
+        run_server(load_config(ServeRootConfig, config, overrides).serve)
+    except user_errors() as exc:
         raise fail(str(exc)) from None
 
 

@@ -76,10 +76,12 @@ def objective(name: str) -> Callable[[Objective], Objective]:
     return register
 
 
-def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, cfg: GRPOConfig) -> tuple[torch.Tensor, ...]:
-    """PPO's min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A) per token, and the unclipped term."""
+def clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's min(ratio A, clip(ratio, low, high) A) per token, and the unclipped term."""
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * advantages
+    clipped = torch.clamp(ratio, low, high) * advantages
     return torch.minimum(unclipped, clipped), unclipped
 
 
@@ -94,7 +96,7 @@ def behaviour_surrogate(t: TokenBatch, cfg: GRPOConfig) -> tuple[torch.Tensor, t
     stale, unlikely token with a negative advantage from dominating the batch. The ratio to mu carries
     staleness and the sampler's mismatch at once, so this objective takes no correction."""
     ratio = exp_ratio(t.logp - t.logp_behaviour)  # [N]
-    kept, unclipped = clipped_surrogate(ratio, t.advantages, cfg)
+    kept, unclipped = clipped_surrogate(ratio, t.advantages, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     kept = torch.where(t.advantages < 0, torch.maximum(kept, cfg.ratio_cap * t.advantages), kept)
     return kept, kept != unclipped
 
@@ -106,7 +108,7 @@ def decoupled_surrogate(t: TokenBatch, cfg: GRPOConfig) -> tuple[torch.Tensor, t
     and the correction's weight w(pi_prox / mu) re-weights stale and mismatched tokens instead of
     clipping them away. The clip binds from the second minibatch update of a step on."""
     ratio = exp_ratio(t.logp - t.logp_proximal)  # [N]
-    kept, unclipped = clipped_surrogate(ratio, t.advantages, cfg)
+    kept, unclipped = clipped_surrogate(ratio, t.advantages, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     return kept, kept != unclipped
 
 
@@ -123,7 +125,7 @@ def gspo_surrogate(t: TokenBatch, cfg: GRPOConfig) -> tuple[torch.Tensor, torch.
     sums = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device).index_add(0, t.sequence, log_ratio)
     counts = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device).index_add(0, t.sequence, kept)  # [S]
     seq_ratio = exp_ratio(sums / counts.clamp(min=1.0))  # [S]
-    kept, unclipped = clipped_surrogate(seq_ratio[t.sequence], t.advantages, cfg)  # [N]
+    kept, unclipped = clipped_surrogate(seq_ratio[t.sequence], t.advantages, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     return kept, kept != unclipped
 
 

@@ -22,9 +22,14 @@ def lora_targets(model: torch.nn.Module) -> list[str]:
     return sorted({name.rpartition(".")[2] for name in linear})
 
 
-def add_lora(model: torch.nn.Module, rank: int, alpha: float) -> None:
-    """Inject rank-`rank` adapters into every attention and MLP projection and freeze everything else."""
+def add_lora(model: torch.nn.Module, rank: int, alpha: float, head: bool = False) -> None:
+    """Inject rank-`rank` adapters into every attention and MLP projection (and the output layer: `head`,
+    which `echo-rl serve` offers; workers' GGUF adapters have none) and freeze everything else."""
     from peft import LoraConfig, inject_adapter_in_model  # only LoRA runs pay for importing peft
 
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=lora_targets(model), lora_dropout=0.0, bias="none")
+    targets = lora_targets(model)
+    if head:
+        out = model.get_output_embeddings()
+        targets += [name.rpartition(".")[2] for name, m in model.named_modules() if m is out]
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none")
     inject_adapter_in_model(config, model)

@@ -1,0 +1,28 @@
+"""`echo-rl serve`: the Tinker API on this machine (learner/serve), until Ctrl-C."""
+
+from __future__ import annotations
+
+import logging
+
+from learner.serve.config import ServeConfig, api_keys
+
+log = logging.getLogger(__name__)
+
+
+def run_server(cfg: ServeConfig) -> None:
+    """Serve `cfg` with uvicorn in this process; the SDK's base_url is http://HOST:PORT."""
+    try:
+        import uvicorn
+
+        from learner.serve.service import ServeOptions, make_app
+    except ImportError as exc:
+        from p2p.config import ConfigError
+
+        raise ConfigError(f"{exc.name} is not installed: pip install 'echo-rl[serve]'") from None
+    keys = api_keys(cfg.api_key_file)
+    options = ServeOptions(cfg.model_names(), cfg.cache_dir, cfg.device, keys, cfg.max_models_per_key)
+    log.info("serving the Tinker API on http://%s:%d for %s (%d API keys in %s)", cfg.host, cfg.port,
+             ", ".join(options.models), len(keys), cfg.api_key_file)  # fmt: skip
+    # at most 256 connections at once (more get 503); idle keep-alive connections close after 5 s
+    uvicorn.run(make_app(options), host=cfg.host, port=cfg.port, log_level="warning", limit_concurrency=256,
+                timeout_keep_alive=5)  # fmt: skip

@@ -1,0 +1,72 @@
+"""`echo-rl serve`'s configuration: the [serve] table of a TOML file, every field also a flag."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from learner.config import DEVICE_NAMES
+from p2p.config import ConfigError, require
+
+
+@dataclass
+class ServeConfig:
+    """What the Tinker API is served on and for whom."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on (0.0.0.0: every interface; the API is plain HTTP, put TLS in front of it)."""
+    port: int = 8000
+    """TCP port of the API (a client's base_url is http://HOST:PORT)."""
+    models: str = "smollm2-135m"
+    """Base models a client may train, comma-separated (`smollm2-135m`, `tiny`, local HF folders)."""
+    cache_dir: str = "~/.cache/echo-rl"
+    """Where converted model weights are cached between runs."""
+    device: str = "auto"
+    """Where the models train: auto (cuda if any), cpu, cuda, cuda:N."""
+    api_key_file: str = "~/.config/echo-rl/serve-keys"
+    """API keys, one per line, each `tml-...` (the SDK's form); a missing file is made with one new key."""
+    max_models_per_key: int = 4
+    """Training clients one API key may hold at once (each is a copy of its base model in memory)."""
+
+    def validate(self) -> None:
+        require(1 <= self.port <= 65535, "serve.port", f"must be 1 to 65535, got {self.port}")
+        require(bool(self.model_names()), "serve.models", "must name at least one base model")
+        require(DEVICE_NAMES.fullmatch(self.device) is not None, "serve.device",
+                f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")  # fmt: skip
+        per_key = self.max_models_per_key
+        require(per_key >= 1, "serve.max_models_per_key", f"must be >= 1, got {per_key}")
+
+    def model_names(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.models.split(",") if m.strip())
+
+
+@dataclass
+class ServeRootConfig:
+    serve: ServeConfig = field(default_factory=ServeConfig)
+
+    def validate(self) -> None:
+        self.serve.validate()
+
+
+def api_keys(path: str) -> frozenset[str]:
+    """The keys in `path` (one per line; blank lines and # comments skipped). A missing file is created
+    (mode 600) with one new key, which the caller prints."""
+    file = Path(path).expanduser()
+    if not file.exists():
+        file.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"tml-{secrets.token_urlsafe(24)}\n")
+    try:
+        lines = file.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"serve.api_key_file {file}: cannot read it ({exc})") from None
+    keys = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+    bad = [k for k in keys if not k.startswith("tml-") or len(k) < 16 or any(c.isspace() for c in k)]
+    if bad:
+        raise ConfigError(f"serve.api_key_file {file}: {bad[0][:8]}... is not a key: each is tml- and 12+ characters")
+    if not keys:
+        raise ConfigError(f"serve.api_key_file {file} holds no key: add a line tml-<random>, or delete the file")
+    return frozenset(keys)

@@ -1,0 +1,337 @@
+"""`echo-rl serve`: the Tinker API over HTTP (Starlette), for the official `tinker` SDK as client.
+
+    client/config, create_session, heartbeat   ->  sessions, each owned by an API key (X-API-Key)
+    create_model, forward_backward, optim_step ->  futures: {"request_id"} now, the result by retrieve_future
+    retrieve_future                            ->  long-polls POLL_S, then answers "try_again"
+
+A training client's requests carry seq_id (1, 2, ...) and run in seq_id order (learner.serve.futures).
+They are checked when their turn comes, so a refused one still takes its seq_id. All model work runs on one
+thread, one request at a time, first come first served (no share per key yet): the learner's device is one.
+A session ends when its client closes it or stops heart-beating for SESSION_TIMEOUT_S; its models go with it.
+JSON bodies are checked against the SDK's own pydantic types; the two protobuf ones are in
+learner.serve.wire. A key sees only its own sessions, models and futures (anyone else's are "not found").
+What the client got wrong is a 400 (or a future's "user" error) naming it, never a 500: the SDK retries
+5xx, and an error inside a future is final for its training client; too much at once is a 429.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import math
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zstandard
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from tinker import types
+
+from learner.serve.futures import Busy, Futures, ModelThread, NotFound, Ordered
+from learner.serve.trained_model import TrainedModel
+from learner.serve.wire import RequestError, parse_forward_backward, read_forward_backward, write_forward_backward
+
+log = logging.getLogger(__name__)
+
+MAX_JSON = 1 << 20  # bytes of a JSON body
+MAX_PROTO = 16 << 20  # bytes of a forward_backward body, decompressed (the SDK sends chunks of ~5 MB at most)
+MAX_LORA_RANK = 256
+SESSION_TIMEOUT_S = 600.0  # a session not heart-beaten this long is ended (the SDK beats every 10 s)
+MAX_SESSIONS_PER_KEY = 64
+
+
+@dataclass
+class ServeOptions:
+    """What `echo-rl serve` serves (echo_cli's ServeConfig fills it)."""
+
+    models: tuple[str, ...]  # base models a client may train (learner.train.models.load_policy names)
+    cache_dir: str
+    device: str
+    api_keys: frozenset[str]
+    max_models_per_key: int = 4
+
+
+@dataclass
+class Session:
+    key: str
+    seen: float = field(default_factory=time.monotonic)  # its last heartbeat (or creation)
+
+
+@dataclass
+class Slot:
+    """A training client's model and its request order."""
+
+    key: str
+    session_id: str
+    base_model: str
+    lora_rank: int
+    created_by: str  # the create_model request id (a retried create_model gets it again)
+    model: TrainedModel | None = None  # None until create_model has run
+    failed: bool = False  # create_model failed: the slot no longer counts against the key
+    order: Ordered = field(default_factory=Ordered)
+
+    def trained(self) -> TrainedModel:
+        if self.model is None:
+            raise RequestError("this model failed to load (the server's log says why); create another")
+        return self.model
+
+
+class Service:
+    """The state behind the routes. Only the event loop's thread touches these tables; the model thread
+    only runs jobs (and sets a slot's model)."""
+
+    def __init__(self, options: ServeOptions) -> None:
+        self.options = options
+        self.sessions: dict[str, Session] = {}  # session id -> its key
+        self.slots: dict[str, Slot] = {}  # model id -> slot
+        self.futures = Futures()
+        self.thread = ModelThread()
+
+    def key_of(self, request: Request) -> str:
+        key = request.headers.get("x-api-key", "")
+        if key not in self.options.api_keys:
+            raise PermissionError("unknown API key: set TINKER_API_KEY to a key from the server's key file")
+        return key
+
+    def session(self, key: str, session_id: str) -> Session:
+        self.expire()
+        session = self.sessions.get(session_id)
+        if session is None or session.key != key:
+            raise NotFound(f"session {session_id!r}")
+        return session
+
+    def slot(self, key: str, model_id: str) -> Slot:
+        slot = self.slots.get(model_id)
+        if slot is None or slot.key != key:
+            raise NotFound(f"model {model_id!r}")
+        return slot
+
+    def end(self, session_id: str) -> None:
+        """End a session: its models are dropped (freed once no queued job holds them)."""
+        self.sessions.pop(session_id, None)
+        for model_id in [m for m, slot in self.slots.items() if slot.session_id == session_id]:
+            del self.slots[model_id]
+            log.info("serve: %s dropped (its session ended)", model_id)
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for session_id in [s for s, session in self.sessions.items() if now - session.seen > SESSION_TIMEOUT_S]:
+            self.end(session_id)
+        for model_id in [m for m, slot in self.slots.items() if slot.failed]:
+            del self.slots[model_id]
+
+    def job(self, key: str, job: Callable[[], Any]) -> tuple[str, Callable[[], None]]:
+        """A future for `key` and what starts `job` for it on the model thread (Ordered.add's `submit`)."""
+        request_id, future = self.futures.submit(key)
+        return request_id, lambda: self.thread.run(future, job)
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "body"
+        raise RequestError(f"{model.__name__}: {where}: {first['msg']}") from None
+
+
+# -- routes
+
+
+async def client_config(svc: Service, key: str, body: Any) -> dict:
+    # plain httpx (not pyqwest), forward_backward uncompressed, futures polled one by one
+    return {"use_pyqwest_transport": False, "proto_compress_fwdbwd": False, "sample_use_retrieve_futures": False}
+
+
+async def create_session(svc: Service, key: str, body: Any) -> dict:
+    parse(types.CreateSessionRequest, body)
+    svc.expire()
+    if sum(s.key == key for s in svc.sessions.values()) >= MAX_SESSIONS_PER_KEY:
+        raise Busy(f"this key has {MAX_SESSIONS_PER_KEY} live sessions; close some (ServiceClient.close)")
+    session_id = f"sess-{secrets.token_hex(8)}"
+    svc.sessions[session_id] = Session(key)
+    return {"type": "create_session", "session_id": session_id}
+
+
+async def session_heartbeat(svc: Service, key: str, body: Any) -> dict:
+    svc.session(key, parse(types.SessionHeartbeatRequest, body).session_id).seen = time.monotonic()
+    return {"type": "session_heartbeat"}
+
+
+async def create_model(svc: Service, key: str, body: Any) -> dict:
+    req = parse(types.CreateModelRequest, body)
+    svc.session(key, req.session_id)
+    model_id = f"{req.session_id}:train:{req.model_seq_id}"
+    if (slot := svc.slots.get(model_id)) is not None:  # a retried POST gets the first one's future
+        return {"request_id": slot.created_by, "model_id": model_id}
+    if req.base_model not in svc.options.models:
+        raise RequestError(f"base_model {req.base_model!r} is not served here; served: {list(svc.options.models)}")
+    lora = req.lora_config
+    if lora is None or not 1 <= lora.rank <= MAX_LORA_RANK or not (lora.train_mlp and lora.train_attn):
+        raise RequestError(f"lora_config: echo-rl trains ranks 1 to {MAX_LORA_RANK} with train_mlp and train_attn")
+    if req.optimizer_config.type != "adamw":
+        raise RequestError(f"optimizer {req.optimizer_config.type!r}: echo-rl serves adamw only")
+    if sum(s.key == key for s in svc.slots.values()) >= svc.options.max_models_per_key:
+        raise RequestError(
+            f"this key holds {svc.options.max_models_per_key} models already (the server's limit): close a "
+            "ServiceClient to free its models"
+        )
+    opts = svc.options
+
+    def load() -> dict:
+        try:
+            slot.model = TrainedModel(req.base_model, opts.cache_dir, opts.device, lora.rank,
+                                      lora.seed or 0, lora.train_unembed)  # fmt: skip
+        except BaseException:
+            slot.failed = True
+            raise
+        log.info("serve: %s: %s with rank-%d LoRA", model_id, req.base_model, lora.rank)
+        return {"type": "create_model", "model_id": model_id}
+
+    request_id, start = svc.job(key, load)
+    slot = svc.slots[model_id] = Slot(key, req.session_id, req.base_model, lora.rank, request_id)
+    start()
+    return {"request_id": request_id, "model_id": model_id}
+
+
+async def get_info(svc: Service, key: str, body: Any) -> dict:
+    req = parse(types.GetInfoRequest, body)
+    slot = svc.slot(key, req.model_id)
+    data = {"arch": "unknown", "model_name": slot.base_model, "tokenizer_id": slot.base_model}
+    if slot.model is not None:
+        data["arch"] = slot.model.model.config.model_type
+    return {"type": "get_info", "model_id": req.model_id, "model_data": data, "is_lora": True,
+            "lora_rank": slot.lora_rank, "model_name": slot.base_model}  # fmt: skip
+
+
+async def optim_step(svc: Service, key: str, body: Any) -> dict:
+    req = parse(types.OptimStepRequest, body)
+    slot = svc.slot(key, req.model_id)
+
+    def step() -> dict:  # checked here, in seq_id order: a refusal takes its seq_id, leaving no gap
+        adam = req.optim_params
+        if not isinstance(adam, types.AdamParams):
+            raise RequestError("optim_step: echo-rl serves adamw only (send adam_params)")
+        ok = all(math.isfinite(v) for v in adam.model_dump().values()) and 0 <= adam.learning_rate <= 1
+        ok = ok and 0 <= adam.beta1 < 1 and 0 <= adam.beta2 < 1 and 0 < adam.eps < 1
+        if not (ok and 0 <= adam.weight_decay <= 1 and adam.grad_clip_norm >= 0):
+            raise RequestError(f"adam_params out of range: {adam.model_dump()}")
+        betas = (adam.beta1, adam.beta2)
+        metrics = slot.trained().optim_step(adam.learning_rate, betas, adam.eps, adam.weight_decay, adam.grad_clip_norm)
+        return {"type": "optim_step", "metrics": metrics}
+
+    return {"request_id": slot.order.add(req.seq_id, lambda: svc.job(key, step)), "model_id": req.model_id}
+
+
+async def forward_backward(svc: Service, key: str, raw: bytes) -> dict:
+    msg = parse_forward_backward(raw)
+    slot = svc.slot(key, msg.model_id)
+
+    def run() -> bytes:  # checked on the model thread, in seq_id order (off the event loop; no gap on refusal)
+        return write_forward_backward(*slot.trained().forward_backward(read_forward_backward(msg)))
+
+    return {"request_id": slot.order.add(msg.seq_id, lambda: svc.job(key, run)), "model_id": msg.model_id}
+
+
+async def retrieve_future(svc: Service, key: str, body: Any) -> Response:
+    return await svc.futures.result(key, parse(types.FutureRetrieveRequest, body).request_id)
+
+
+async def telemetry(svc: Service, key: str, body: Any) -> dict:
+    return {"status": "accepted"}  # the SDK's usage events: not kept
+
+
+async def finish_session(svc: Service, key: str, body: Any, session_id: str) -> dict:
+    svc.session(key, session_id)
+    svc.end(session_id)
+    return {}
+
+
+def make_app(options: ServeOptions) -> Starlette:
+    """The ASGI app serving `options`."""
+    svc = Service(options)
+
+    def route(path: str, handler: Callable, method: str = "POST", raw: bool = False) -> Route:
+        async def endpoint(request: Request) -> Response:
+            try:
+                key = svc.key_of(request)
+                body = await read_body(request, MAX_PROTO if raw else MAX_JSON)
+                args = [body] if raw else [_json(body) if method == "POST" else None]
+                out = await handler(svc, key, *args, **request.path_params)
+                return out if isinstance(out, Response) else JSONResponse(out)
+            except PermissionError as exc:
+                return JSONResponse({"detail": str(exc)}, status_code=401)
+            except NotFound as exc:
+                return JSONResponse({"detail": f"{exc} not found"}, status_code=404)
+            except RequestError as exc:
+                return JSONResponse({"detail": str(exc)}, status_code=400)
+            except Busy as exc:
+                return JSONResponse({"detail": str(exc)}, status_code=429)
+
+        return Route(path, endpoint, methods=[method])
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def capabilities(request: Request) -> Response:
+        models = [{"model_name": m, "trainable": True, "sampleable": False} for m in options.models]
+        return JSONResponse({"supported_models": models})
+
+    api = "/api/v1"
+    routes = [
+        route(f"{api}/client/config", client_config),
+        route(f"{api}/create_session", create_session),
+        route(f"{api}/session_heartbeat", session_heartbeat),
+        route(f"{api}/sessions/{{session_id}}/finish", finish_session),
+        route(f"{api}/telemetry", telemetry),
+        route(f"{api}/create_model", create_model),
+        route(f"{api}/get_info", get_info),
+        route(f"{api}/forward_backward", forward_backward, raw=True),
+        route(f"{api}/optim_step", optim_step),
+        route(f"{api}/retrieve_future", retrieve_future),
+        Route(f"{api}/healthz", healthz),
+        Route(f"{api}/get_server_capabilities", capabilities),
+    ]
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        svc.thread.close()  # queued jobs are dropped on the way out (their clients see the server gone)
+
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.service = svc
+    return app
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, zstd-decompressed when the client says so, at most `limit` bytes either way (read from the
+    stream: a zstd frame's declared size is the sender's word)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(f"the body exceeds {limit >> 20} MiB")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if request.headers.get("content-encoding", "").lower() == "zstd":
+        try:
+            body = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)).read(limit + 1)
+        except zstandard.ZstdError as exc:
+            raise RequestError(f"the zstd body does not decompress: {exc}") from None
+        if len(body) > limit:
+            raise RequestError(f"the body exceeds {limit >> 20} MiB decompressed")
+    return body
+
+
+def _json(body: bytes) -> Any:
+    try:
+        return json.loads(body or b"{}")
+    except (ValueError, RecursionError):
+        raise RequestError("the body is not JSON (or nests too deep)") from None

@@ -1,0 +1,190 @@
+"""`echo-rl serve` with the official `tinker` SDK as its client (learner/serve), on the tiny model."""
+
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+from learner.serve.losses import LOSSES  # noqa: E402
+from learner.serve.service import ServeOptions, make_app  # noqa: E402
+from tests.conftest import run_cli  # noqa: E402
+
+KEY_A, KEY_B = "tml-test-key-aaaaaaaa", "tml-test-key-bbbbbbbb"
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory):
+    """`make_app` under uvicorn on a loopback port, for the module's tests."""
+    import uvicorn
+
+    options = ServeOptions(("tiny",), str(tmp_path_factory.mktemp("cache")), "cpu", frozenset({KEY_A, KEY_B}), 3)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(make_app(options), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    for _ in range(100):
+        if server.started:
+            break
+        time.sleep(0.1)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(autouse=True)
+def no_telemetry(monkeypatch):
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+
+
+def client(base_url: str, key: str = KEY_A):
+    return tinker.ServiceClient(base_url=base_url, api_key=key)
+
+
+def datum(tokens: list[int], **inputs: list[float]) -> types.Datum:
+    """A datum whose position t predicts tokens[t + 1] (Tinker's alignment), with extra per-token inputs."""
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], **inputs})  # fmt: skip
+
+
+def by_hand_logprobs(tokens: list[int]) -> np.ndarray:
+    """log pi(tokens[t + 1] | tokens[: t + 1]) under the tiny model as tiny_policy(seed=0) makes it (a fresh
+    LoRA adapter is zero: the model is the base)."""
+    from learner.train.models import tiny_policy
+
+    model = tiny_policy(seed=0).model
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens[:-1]])).logits[0]  # [T, V]
+    return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1).numpy()
+
+
+def test_a_tinker_client_trains_a_lora_model_and_every_loss_is_the_formula_on_the_logprobs(base_url):
+    """The SDK's own ServiceClient: create a rank-4 LoRA training client on `tiny`, forward returns the logprobs a
+    by-hand forward pass of the base model gives (position t scores target t), each RL loss's loss:sum is
+    its formula on them, and cross_entropy steps lower the loss."""
+    sc = client(base_url)
+    tc = sc.create_lora_training_client(base_model="tiny", rank=4).result()
+    info = tc.get_info()
+    assert info.model_data.model_name == "tiny" and info.lora_rank == 4 and info.model_data.arch == "llama"
+    tokens = [5, 17, 99, 3, 42, 7, 61]
+    want = by_hand_logprobs(tokens)
+    out = tc.forward([datum(tokens)], "cross_entropy").result()
+    logp = out.loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert logp.shape == want.shape and np.allclose(logp, want, atol=1e-5)
+    assert out.metrics["loss:sum"] == pytest.approx(-want.sum(), rel=1e-5)
+
+    q = (want - np.array([0.3, -0.2, 0.0, 0.5, -0.4, 0.1])).tolist()  # the "sampler's" logprobs
+    adv = [1.0, -1.0, 2.0, 0.5, -0.5, 0.0]
+    ratio, a = np.exp(want - np.array(q)), np.array(adv)
+    lo, hi = LOSSES["ppo"].config["clip_low_threshold"], LOSSES["ppo"].config["clip_high_threshold"]
+    expected = {
+        "importance_sampling": -(ratio * a).sum(),
+        "ppo": -np.minimum(ratio * a, np.clip(ratio, lo, hi) * a).sum(),
+        "cispo": -(np.clip(ratio, lo, hi) * a * want).sum(),
+    }
+    for name, value in expected.items():
+        got = tc.forward([datum(tokens, logprobs=q, advantages=adv)], name).result().metrics["loss:sum"]
+        assert got == pytest.approx(value, rel=1e-4, abs=1e-5), name
+
+    # the SDK's own custom-loss path (two cross_entropy passes, the second weighted by the loss's gradient)
+    custom = tc.forward_backward_custom([datum(tokens)], lambda data, logps: ((-2.0 * logps[0]).sum(), {})).result()
+    assert custom.metrics["loss:sum"] == pytest.approx(-2.0 * want.sum(), rel=1e-5)
+
+    # two datums sent in one call run in order with the optimizer steps between them
+    losses = []
+    for _ in range(4):
+        fb = tc.forward_backward([datum(tokens), datum(tokens[::-1])], "cross_entropy")
+        step = tc.optim_step(types.AdamParams(learning_rate=0.02))
+        losses.append(fb.result().metrics["loss:sum"])
+        assert "grad_norm:mean" in step.result().metrics
+    assert losses[-1] < losses[0] - 1.0
+
+
+def test_api_keys_see_only_their_own_models_and_bad_requests_get_the_sdks_errors(base_url):
+    """Key B cannot read key A's model (not found, as if it did not exist); an unknown key is refused;
+    a base model the server does not serve, an unknown loss and a token outside the vocabulary are the
+    client's errors with a line naming them."""
+    sc_a = client(base_url, KEY_A)
+    tc_a = sc_a.create_lora_training_client(base_model="tiny", rank=2).result()
+    sc_b = client(base_url, KEY_B)
+    future = tc_a.forward([datum([1, 2, 3])], "cross_entropy")
+    future.result()
+    for key, status in ((KEY_B, 404), (KEY_A, 200)):
+        got = httpx.post(f"{base_url}/api/v1/get_info", headers={"X-API-Key": key},
+                         json={"model_id": tc_a.model_id, "type": "get_info"})  # fmt: skip
+        assert got.status_code == status, got.text
+    session = tc_a.model_id.split(":")[0]  # (the SDK names models SESSION:train:N)
+    created = httpx.post(f"{base_url}/api/v1/create_model", headers={"X-API-Key": KEY_A}, json={
+        "session_id": session, "model_seq_id": 99, "base_model": "tiny", "lora_config": {"rank": 1}})  # fmt: skip
+    request_id = created.json()["request_id"]
+    for key, status in ((KEY_B, 404), (KEY_A, 200)):
+        got = httpx.post(f"{base_url}/api/v1/retrieve_future", headers={"X-API-Key": key},
+                         json={"request_id": request_id}, timeout=60)  # fmt: skip
+        assert got.status_code == status, got.text
+    assert got.json()["model_id"] == f"{session}:train:99"
+    with pytest.raises(tinker.AuthenticationError):
+        client(base_url, "tml-not-a-key-of-this-server").create_lora_training_client(base_model="tiny", rank=2).result()
+    with pytest.raises(tinker.BadRequestError, match="not served"):
+        sc_b.create_lora_training_client(base_model="meta-llama/Llama-3.2-1B", rank=2).result()
+
+    with pytest.raises(tinker.BadRequestError, match="holds 3 models"):  # the first test's, tc_a and #99
+        client(base_url, KEY_A).create_lora_training_client(base_model="tiny", rank=2).result()
+    sc_a.close("success").result()  # ends its session: tc_a and #99 go, and the key may create again
+    client(base_url, KEY_A).create_lora_training_client(base_model="tiny", rank=2).result()
+    bad_loss = sc_b.create_lora_training_client(base_model="tiny", rank=2).result()
+    with pytest.raises(Exception, match="loss_fn 'dro' is not served"):
+        bad_loss.forward_backward([datum([1, 2, 3])], "dro").result()
+    with pytest.raises(Exception, match="outside the vocabulary"):
+        bad_loss.forward_backward([datum([1, 2, 10**6])], "cross_entropy").result()
+
+
+def test_a_refused_request_keeps_its_place_and_hostile_bodies_cost_the_server_nothing(base_url):
+    """A request refused when its turn comes (an optim_step with a learning rate of 5) still takes its seq_id:
+    the next one runs rather than waiting forever for a gap. An overflowing loss is stepped over, not on,
+    and said so in finite JSON. A zstd bomb, deep JSON and a seq_id far ahead are 400s."""
+    headers = {"X-API-Key": KEY_B}
+
+    def post(path: str, body: dict, **kw) -> httpx.Response:
+        return httpx.post(f"{base_url}/api/v1/{path}", headers=headers, json=body, timeout=60, **kw)
+
+    session = post("create_session", {"tags": [], "user_metadata": None, "sdk_version": "test"}).json()["session_id"]
+    created = post("create_model", {"session_id": session, "model_seq_id": 0, "base_model": "tiny",
+                                    "lora_config": {"rank": 1}})  # fmt: skip
+    assert post("create_model", {"session_id": session, "model_seq_id": 0, "base_model": "tiny",
+                                 "lora_config": {"rank": 1}}).json() == created.json()  # a retried POST  # fmt: skip
+    model_id = created.json()["model_id"]
+    assert post("retrieve_future", {"request_id": created.json()["request_id"]}).json()["model_id"] == model_id
+    bad = post("optim_step", {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 5.0}})
+    good = post("optim_step", {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 1e-3}})
+    assert post("retrieve_future", {"request_id": bad.json()["request_id"]}).json()["category"] == "user"
+    assert post("retrieve_future", {"request_id": good.json()["request_id"]}).json()["type"] == "optim_step"
+    far = post("optim_step", {"model_id": model_id, "seq_id": 10**6, "adam_params": {"learning_rate": 1e-3}})
+    assert far.status_code == 400 and "out of range" in far.text
+
+    import zstandard
+
+    bomb = zstandard.ZstdCompressor(level=19).compress(b"\0" * (64 << 20))
+    got = httpx.post(f"{base_url}/api/v1/telemetry", headers=headers | {"Content-Encoding": "zstd"}, content=bomb)
+    assert got.status_code == 400 and "exceeds" in got.text
+    got = httpx.post(f"{base_url}/api/v1/telemetry", headers=headers, content=b"[" * 100_000 + b"]" * 100_000)
+    assert got.status_code == 400
+
+    tc = client(base_url, KEY_B).create_lora_training_client(base_model="tiny", rank=2).result()
+    huge = [0.0, 3e38, 3e38]
+    tc.forward_backward([datum([1, 2, 3, 4], logprobs=[-5.0] * 3, advantages=huge)], "importance_sampling").result()
+    assert tc.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics == {"skipped_steps:sum": 1.0}
+
+
+def test_serve_refuses_a_bad_key_file_in_one_line(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("not-a-key\n")
+    res = run_cli("serve", "--api-key-file", str(keys), "--models", "tiny", timeout=60)
+    assert res.returncode == 2 and "not a key" in res.stdout + res.stderr
+    assert "Traceback" not in res.stdout + res.stderr
