@@ -188,3 +188,32 @@ def test_serve_refuses_a_bad_key_file_in_one_line(tmp_path):
     res = run_cli("serve", "--api-key-file", str(keys), "--models", "tiny", timeout=60)
     assert res.returncode == 2 and "not a key" in res.stdout + res.stderr
     assert "Traceback" not in res.stdout + res.stderr
+
+
+def test_keys_take_turns_on_the_model_thread():
+    """One key's queue of jobs does not hold up another's: after the job running, keys alternate."""
+    import concurrent.futures
+
+    from learner.serve.futures import ModelThread
+
+    thread, ran, running, release = ModelThread(), [], threading.Event(), threading.Event()
+    futures = []
+
+    def job(name: str, wait: bool = False):
+        def run() -> str:
+            if wait:
+                running.set()
+                release.wait(30)
+            ran.append(name)
+            return name
+
+        return run
+
+    for key, name, wait in [("a", "a0", True)] + [("a", f"a{i}", False) for i in range(1, 5)] + [("b", "b1", False)]:
+        futures.append(concurrent.futures.Future())
+        thread.run(key, futures[-1], job(name, wait))
+        running.wait(30)  # a0 runs before the others are queued
+    release.set()
+    concurrent.futures.wait(futures, timeout=30)
+    thread.close()
+    assert ran == ["a0", "a1", "b1", "a2", "a3", "a4"]

@@ -1,7 +1,7 @@
 """The Tinker API's futures: a request answers {"request_id"} at once and its result is fetched later.
 
     Futures.submit(key)          -> a request id and a future; 429 (Busy) while the key has too many
-    ModelThread.run(future, job) -> job() on the one model thread, after every job submitted before it
+    ModelThread.run(key, f, job) -> job() on the one model thread: a key's jobs in order, keys in turn
     Ordered.add(seq_id, job)     -> a training client's requests run in seq_id order, each once
     Futures.result(key, id)      -> long-polls POLL_S, then "try_again"
 
@@ -19,7 +19,9 @@ import itertools
 import json
 import logging
 import secrets
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,12 +106,18 @@ class Futures:
 
 
 class ModelThread:
-    """The one thread all model work runs on, a job at a time, in the order run() was called."""
+    """The one thread all model work runs on, a job at a time: each key's jobs in the order run() was
+    called, the keys taking turns (round robin), so one key's long queue does not hold up another key."""
 
     def __init__(self) -> None:
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve-model")
+        self.queues: dict[str, deque[Callable[[], None]]] = {}  # key -> its jobs waiting, oldest first
+        self.turns: deque[str] = deque()  # keys with jobs waiting, the next to run first
+        self.changed = threading.Condition()
+        self.closed = False
+        self.thread = threading.Thread(target=self._loop, name="serve-model", daemon=True)
+        self.thread.start()
 
-    def run(self, future: concurrent.futures.Future, job: Callable[[], Any]) -> None:
+    def run(self, key: str, future: concurrent.futures.Future, job: Callable[[], Any]) -> None:
         def work() -> None:
             if not future.set_running_or_notify_cancel():
                 return
@@ -121,10 +129,33 @@ class ModelThread:
                 log.exception("serve: a request failed")
                 future.set_exception(exc)
 
-        self.pool.submit(work)
+        with self.changed:
+            if key not in self.queues:
+                self.queues[key] = deque()
+                self.turns.append(key)
+            self.queues[key].append(work)
+            self.changed.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self.changed:
+                while not self.turns and not self.closed:
+                    self.changed.wait()
+                if self.closed:
+                    return
+                key = self.turns.popleft()
+                work = self.queues[key].popleft()
+                if self.queues[key]:
+                    self.turns.append(key)  # its next job after every other key's next one
+                else:
+                    del self.queues[key]
+            work()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Stop after the job running now; the queued ones are dropped."""
+        with self.changed:
+            self.closed = True
+            self.changed.notify()
 
 
 @dataclass

@@ -6,7 +6,7 @@
 
 A training client's requests carry seq_id (1, 2, ...) and run in seq_id order (learner.serve.futures).
 They are checked when their turn comes, so a refused one still takes its seq_id. All model work runs on one
-thread, one request at a time, first come first served (no share per key yet): the learner's device is one.
+thread, one request at a time, the keys taking turns (futures.ModelThread): the learner's device is one.
 A session ends when its client closes it or stops heart-beating for SESSION_TIMEOUT_S; its models go with it.
 JSON bodies are checked against the SDK's own pydantic types; the two protobuf ones are in
 learner.serve.wire. A key sees only its own sessions, models and futures (anyone else's are "not found").
@@ -131,7 +131,7 @@ class Service:
     def job(self, key: str, job: Callable[[], Any]) -> tuple[str, Callable[[], None]]:
         """A future for `key` and what starts `job` for it on the model thread (Ordered.add's `submit`)."""
         request_id, future = self.futures.submit(key)
-        return request_id, lambda: self.thread.run(future, job)
+        return request_id, lambda: self.thread.run(key, future, job)
 
 
 def parse(model: type[BaseModel], body: Any) -> Any:
