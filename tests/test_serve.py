@@ -217,3 +217,35 @@ def test_keys_take_turns_on_the_model_thread():
     concurrent.futures.wait(futures, timeout=30)
     thread.close()
     assert ran == ["a0", "a1", "b1", "a2", "a3", "a4"]
+
+
+@pytest.mark.parametrize("family", __import__("tests.families", fromlist=["FAMILIES"]).FAMILIES)
+def test_every_family_serves_the_logprobs_of_its_own_forward_and_trains(family, tmp_path):
+    """A training client on each family's tiny model (an HF folder, as a user serves one), with the output
+    layer's adapter too: forward's logprobs are the base model's own (fresh adapters are zero), and two
+    cross_entropy steps lower the loss."""
+    from learner.serve.trained_model import TrainedModel
+    from learner.serve.wire import Datum, ForwardBackward
+    from learner.train.models import load_policy
+    from tests.families import save_family
+
+    folder = str(save_family(family, tmp_path / family))
+    tokens = [5, 17, 99, 3, 42, 7, 61]
+    base = load_policy(folder, "unused").model
+    with torch.no_grad():
+        logits = base(input_ids=torch.tensor([tokens[:-1]])).logits[0].float()  # [T, V]
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1).numpy()
+
+    served = TrainedModel(folder, "unused", "cpu", lora_rank=4, head=True)
+
+    def request(forward_only: bool) -> ForwardBackward:
+        inputs = {"target_tokens": np.array(tokens[1:], np.int64)}
+        return ForwardBackward("m", 1, "cross_entropy", {}, forward_only, [Datum(np.array(tokens[:-1]), inputs)])
+
+    logp, metrics = served.forward_backward(request(forward_only=True))
+    assert np.allclose(logp[0], want, atol=1e-4), family
+    losses = []
+    for _ in range(3):
+        losses.append(served.forward_backward(request(forward_only=False))[1]["loss:sum"])
+        served.optim_step(0.02, (0.9, 0.95), 1e-8, 0.0, 1.0)
+    assert losses[-1] < losses[0], (family, losses)
