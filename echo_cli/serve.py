@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from learner.serve.config import ServeConfig, api_keys
 
@@ -15,6 +16,7 @@ def run_server(cfg: ServeConfig) -> None:
         import uvicorn
 
         from learner.serve.service import ServeOptions, make_app
+        from worker.engines import make_engine
     except ImportError as exc:
         from p2p.config import ConfigError
 
@@ -24,5 +26,9 @@ def run_server(cfg: ServeConfig) -> None:
     log.info("serving the Tinker API on http://%s:%d for %s (%d API keys in %s)", cfg.host, cfg.port,
              ", ".join(options.models), len(keys), cfg.api_key_file)  # fmt: skip
     # at most 256 connections at once (more get 503); idle keep-alive connections close after 5 s
-    uvicorn.run(make_app(options), host=cfg.host, port=cfg.port, log_level="warning", limit_concurrency=256,
-                timeout_keep_alive=5)  # fmt: skip
+
+    def sampler_engine() -> Any:  # the reference engine: it runs adapters on any layer, the output layer's too
+        return make_engine("transformers", cfg.cache_dir, cfg.sampler_threads, cfg.sampler_max_batch, device=cfg.device)
+
+    uvicorn.run(make_app(options, sampler_engine), host=cfg.host, port=cfg.port, log_level="warning",
+                limit_concurrency=256, timeout_keep_alive=5)  # fmt: skip

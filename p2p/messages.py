@@ -113,12 +113,14 @@ def is_adapter(name: str) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample completions: temperature (0: greedy, for evaluation), nucleus top_p, a token budget, a seed."""
+    """How to sample completions: temperature (0: greedy, for evaluation), nucleus top_p, a token budget, a seed,
+    and the tokens that end a completion (None: the model's end-of-turn tokens; empty: none, only the budget)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 64
     seed: int = 0
+    stop_ids: frozenset[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -167,8 +169,9 @@ class Engine(Protocol):
     counter-based draws (worker.sampling) with its behaviour logprobs; `stage` prepares a version beside
     the live one (safe while generate() runs on another thread), `install` swaps it in between leases,
     `discard` frees one not used; `load_policy` (float weights, LoRA adapters among them merged in) and
-    `load_adapters` (hot-swapped on the loaded base) stage and install at once; `unsupported` says why the
-    engine cannot run a model (None: it can), before any weights are fetched."""
+    `load_adapters` (hot-swapped on the loaded base, replacing the last ones) stage and install at once;
+    `logits` gives the next-token logits at every position of one sequence (prompt logprobs); `unsupported`
+    says why the engine cannot run a model (None: it can), before any weights are fetched."""
 
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]: ...
 
@@ -183,6 +186,8 @@ class Engine(Protocol):
     def load_policy(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None: ...
 
     def load_adapters(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None: ...
+
+    def logits(self, tokens: Sequence[int]) -> np.ndarray: ...
 
     def backend(self) -> dict[str, str | int]: ...
 

@@ -27,7 +27,7 @@ def base_url(tmp_path_factory):
     options = ServeOptions(("tiny",), str(tmp_path_factory.mktemp("cache")), "cpu", frozenset({KEY_A, KEY_B}), 3)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(make_app(options), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(make_app(options, sampler_engine), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     for _ in range(100):
@@ -37,6 +37,12 @@ def base_url(tmp_path_factory):
     yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     server.should_exit = True
     thread.join(10)
+
+
+def sampler_engine():
+    from worker.engines import make_engine
+
+    return make_engine("transformers", "", threads=1, max_batch=4, device="cpu")
 
 
 @pytest.fixture(autouse=True)
@@ -105,6 +111,72 @@ def test_a_tinker_client_trains_a_lora_model_and_every_loss_is_the_formula_on_th
         losses.append(fb.result().metrics["loss:sum"])
         assert "grad_norm:mean" in step.result().metrics
     assert losses[-1] < losses[0] - 1.0
+
+
+def test_a_trained_clients_sampler_samples_its_weights_and_scores_what_forward_scores(base_url):
+    """After cross_entropy steps (adapters on every projection and on the tied output layer), the sampler
+    save_weights_and_get_sampling_client makes gives prompt logprobs and sample logprobs equal to the
+    training client's forward on the same tokens; a seed repeats its samples; stop tokens and stop strings
+    end a sample where they first appear; a named save samples the same weights, for its key only; a base
+    model's sampler is the base model, even after another sampler's adapters were on the engine."""
+    sc = client(base_url)
+    tc = sc.create_lora_training_client(base_model="tiny", rank=4).result()  # train_unembed: the SDK's default
+    tokens = [5, 17, 99, 3, 42, 7, 61]
+    for _ in range(3):
+        tc.forward_backward([datum(tokens)], "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=0.05))
+    sampler = tc.save_weights_and_get_sampling_client().result()
+
+    def forward_logprobs(seq: list[int]) -> np.ndarray:
+        return tc.forward([datum(seq)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+    trained = forward_logprobs(tokens)
+    assert not np.allclose(trained, by_hand_logprobs(tokens), atol=1e-2)  # training moved the model
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+    assert scored[0] is None and np.allclose(scored[1:], trained, atol=1e-4)
+
+    prompt = types.ModelInput.from_ints(tokens[:3])
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=11, stop=[])
+    out = sampler.sample(prompt, num_samples=5, sampling_params=params).result()
+    again = sampler.sample(prompt, num_samples=5, sampling_params=params).result()
+    assert [s.tokens for s in out.sequences] == [s.tokens for s in again.sequences]
+    assert len({tuple(s.tokens) for s in out.sequences}) > 1  # the samples are not one draw repeated
+    for seq in out.sequences:
+        assert len(seq.tokens) == 6 and seq.stop_reason == "length"
+        assert np.allclose(seq.logprobs, forward_logprobs(tokens[:3] + seq.tokens)[2:], atol=1e-4)
+
+    first = out.sequences[0].tokens
+    cut = types.SamplingParams(max_tokens=6, temperature=1.0, seed=11, stop=[first[2]])
+    stopped = sampler.sample(prompt, num_samples=5, sampling_params=cut).result().sequences[0]
+    assert stopped.tokens == first[: first.index(first[2]) + 1] and stopped.stop_reason == "stop"
+
+    from learner.train.models import tiny_policy
+
+    tokenizer = tiny_policy(seed=0).tokenizer
+    text = tokenizer.decode(first[3:5])
+    cut = types.SamplingParams(max_tokens=6, temperature=1.0, seed=11, stop=[text])
+    stopped = sampler.sample(prompt, num_samples=5, sampling_params=cut).result().sequences[0]
+    assert stopped.stop_reason == "stop" and stopped.tokens == first[: len(stopped.tokens)]
+    assert text in tokenizer.decode(stopped.tokens) and text not in tokenizer.decode(stopped.tokens[:-1])
+
+    path = tc.save_weights_for_sampler("named").result().path
+    assert path == f"tinker://{tc.model_id}/sampler_weights/named"
+    named = sc.create_sampling_client(model_path=path).result()
+    assert np.allclose(named.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:], trained, atol=1e-4)
+    with pytest.raises(tinker.NotFoundError):
+        client(base_url, KEY_B).create_sampling_client(model_path=path).result()
+
+    base = sc.create_sampling_client(base_model="tiny").result()
+    base_scored = base.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+    assert np.allclose(base_scored[1:], by_hand_logprobs(tokens), atol=1e-4)
+
+    for bad, message in [(dict(top_k=5), "top_k"), (dict(max_tokens=0), "max_tokens")]:
+        bad_params = types.SamplingParams(**{"max_tokens": 4, **bad})
+        with pytest.raises(tinker.BadRequestError, match=message):
+            base.sample(prompt, num_samples=1, sampling_params=bad_params).result()
+    with pytest.raises(tinker.BadRequestError, match="num_samples"):
+        base.sample(prompt, num_samples=10_000, sampling_params=types.SamplingParams(max_tokens=4)).result()
+    sc.close("success").result()  # its model and samplers go (the fixture's key holds at most 3 models)
 
 
 def test_api_keys_see_only_their_own_models_and_bad_requests_get_the_sdks_errors(base_url):
@@ -223,7 +295,9 @@ def test_keys_take_turns_on_the_model_thread():
 def test_every_family_serves_the_logprobs_of_its_own_forward_and_trains(family, tmp_path):
     """A training client on each family's tiny model (an HF folder, as a user serves one), with the output
     layer's adapter too: forward's logprobs are the base model's own (fresh adapters are zero), and two
-    cross_entropy steps lower the loss."""
+    cross_entropy steps lower the loss; the local sampler, given the trained adapters, scores the prompt as the
+    trained model does (the output layer's adapter included, tied or not)."""
+    from learner.serve.sampler import LocalSampler, SamplerWeights
     from learner.serve.trained_model import TrainedModel
     from learner.serve.wire import Datum, ForwardBackward
     from learner.train.models import load_policy
@@ -249,3 +323,12 @@ def test_every_family_serves_the_logprobs_of_its_own_forward_and_trains(family, 
         losses.append(served.forward_backward(request(forward_only=False))[1]["loss:sum"])
         served.optim_step(0.02, (0.9, 0.95), 1e-8, 0.0, 1.0)
     assert losses[-1] < losses[0], (family, losses)
+
+    trained = served.forward_backward(request(forward_only=True))[0][0]
+    sampler = LocalSampler(sampler_engine, "unused")
+    prompt = types.ModelInput.from_ints(tokens[:-1])
+    ask = types.SampleRequest(prompt=prompt, sampling_params=types.SamplingParams(max_tokens=1), prompt_logprobs=True)
+    scored = sampler.sample(SamplerWeights(folder, 4, served.adapter_tensors()), ask).prompt_logprobs
+    assert np.allclose(scored[1:], trained[:-1], atol=1e-4), family
+    base_scored = sampler.sample(SamplerWeights(folder, 0, {}), ask).prompt_logprobs  # the adapters replaced
+    assert np.allclose(base_scored[1:], want[:-1], atol=1e-4), family

@@ -89,7 +89,9 @@ def generate_waves(
     every live sequence gets one token per decode call: token t of completion c of group g is p's inverse
     CDF at the lease's draw (seed, (g, c, position + t)) (p2p.draws), p = sample_next's distribution, so
     any engine that computes the same logits draws the same tokens, and the learner can replay them. A
-    sequence stops at an end-of-turn token ("stop") or after max_new_tokens ("length")."""
+    sequence stops at an end-of-turn token ("stop": `eos_ids`, or params.stop_ids when given) or after
+    max_new_tokens ("length")."""
+    eos_ids = eos_ids if params.stop_ids is None else params.stop_ids
     out: list[list[Completion]] = []
     wave: list[GenerationRequest] = []
     for request in requests:

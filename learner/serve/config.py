@@ -30,7 +30,14 @@ class ServeConfig:
     max_models_per_key: int = 4
     """Training clients one API key may hold at once (each is a copy of its base model in memory)."""
 
+    sampler_threads: int = 2
+    """CPU threads the sampler uses (transformers engine, on `device`)."""
+    sampler_max_batch: int = 32
+    """Sequences the sampler decodes together (a request's samples go in waves of this many)."""
+
     def validate(self) -> None:
+        require(self.sampler_threads >= 1, "serve.sampler_threads", "must be >= 1")
+        require(self.sampler_max_batch >= 1, "serve.sampler_max_batch", "must be >= 1")
         require(1 <= self.port <= 65535, "serve.port", f"must be 1 to 65535, got {self.port}")
         require(bool(self.model_names()), "serve.models", "must name at least one base model")
         require(DEVICE_NAMES.fullmatch(self.device) is not None, "serve.device",

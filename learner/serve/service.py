@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zstandard
-from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -36,8 +35,24 @@ from starlette.routing import Route
 from tinker import types
 
 from learner.serve.futures import Busy, Futures, ModelThread, NotFound, Ordered
+from learner.serve.sampler import LocalSampler, SamplerWeights
+from learner.serve.sampling_routes import (
+    Sampler,
+    Saved,
+    asample,
+    create_sampling_session,
+    get_sampler,
+    save_weights_for_sampler,
+)
 from learner.serve.trained_model import TrainedModel
-from learner.serve.wire import RequestError, parse_forward_backward, read_forward_backward, write_forward_backward
+from learner.serve.wire import (
+    RequestError,
+    parse,
+    parse_forward_backward,
+    read_forward_backward,
+    write_forward_backward,
+)
+from p2p.messages import Engine
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +103,20 @@ class Service:
     """The state behind the routes. Only the event loop's thread touches these tables; the model thread
     only runs jobs (and sets a slot's model)."""
 
-    def __init__(self, options: ServeOptions) -> None:
+    def __init__(self, options: ServeOptions, make_engine: Callable[[], Engine]) -> None:
         self.options = options
         self.sessions: dict[str, Session] = {}  # session id -> its key
         self.slots: dict[str, Slot] = {}  # model id -> slot
+        self.samplers: dict[str, Sampler] = {}  # sampling session id -> what it samples
+        self.saved: dict[str, Saved] = {}  # tinker:// path -> sampler weights saved under a name
         self.futures = Futures()
         self.thread = ModelThread()
+        self.sampler = LocalSampler(make_engine, options.cache_dir)
+        self._bases: dict[str, SamplerWeights] = {}
+
+    def base_weights(self, base_model: str) -> SamplerWeights:
+        """A base model itself, for samplers made from it (one object: the engine need not swap between them)."""
+        return self._bases.setdefault(base_model, SamplerWeights(base_model, 0, {}))
 
     def key_of(self, request: Request) -> str:
         key = request.headers.get("x-api-key", "")
@@ -115,8 +138,11 @@ class Service:
         return slot
 
     def end(self, session_id: str) -> None:
-        """End a session: its models are dropped (freed once no queued job holds them)."""
+        """End a session: its models and samplers are dropped (freed once no queued job holds them); weights
+        saved under a name stay."""
         self.sessions.pop(session_id, None)
+        for sampler_id in [s for s, sampler in self.samplers.items() if sampler.session_id == session_id]:
+            del self.samplers[sampler_id]
         for model_id in [m for m, slot in self.slots.items() if slot.session_id == session_id]:
             del self.slots[model_id]
             log.info("serve: %s dropped (its session ended)", model_id)
@@ -132,15 +158,6 @@ class Service:
         """A future for `key` and what starts `job` for it on the model thread (Ordered.add's `submit`)."""
         request_id, future = self.futures.submit(key)
         return request_id, lambda: self.thread.run(key, future, job)
-
-
-def parse(model: type[BaseModel], body: Any) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or "body"
-        raise RequestError(f"{model.__name__}: {where}: {first['msg']}") from None
 
 
 # -- routes
@@ -255,9 +272,9 @@ async def finish_session(svc: Service, key: str, body: Any, session_id: str) -> 
     return {}
 
 
-def make_app(options: ServeOptions) -> Starlette:
-    """The ASGI app serving `options`."""
-    svc = Service(options)
+def make_app(options: ServeOptions, make_engine: Callable[[], Engine]) -> Starlette:
+    """The ASGI app serving `options`, sampling with engines `make_engine` builds (worker.engines)."""
+    svc = Service(options, make_engine)
 
     def route(path: str, handler: Callable, method: str = "POST", raw: bool = False) -> Route:
         async def endpoint(request: Request) -> Response:
@@ -282,7 +299,7 @@ def make_app(options: ServeOptions) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def capabilities(request: Request) -> Response:
-        models = [{"model_name": m, "trainable": True, "sampleable": False} for m in options.models]
+        models = [{"model_name": m, "trainable": True, "sampleable": True} for m in options.models]
         return JSONResponse({"supported_models": models})
 
     api = "/api/v1"
@@ -297,6 +314,10 @@ def make_app(options: ServeOptions) -> Starlette:
         route(f"{api}/forward_backward", forward_backward, raw=True),
         route(f"{api}/optim_step", optim_step),
         route(f"{api}/retrieve_future", retrieve_future),
+        route(f"{api}/save_weights_for_sampler", save_weights_for_sampler),
+        route(f"{api}/create_sampling_session", create_sampling_session),
+        route(f"{api}/samplers/{{sampler_id}}", get_sampler, method="GET"),
+        route(f"{api}/asample", asample),
         Route(f"{api}/healthz", healthz),
         Route(f"{api}/get_server_capabilities", capabilities),
     ]

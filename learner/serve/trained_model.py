@@ -21,6 +21,7 @@ from learner.train.devices import resolve_device
 from learner.train.lora import add_lora
 from learner.train.models import load_policy
 from learner.train.trainer import model_device, token_logprobs
+from learner.train.wire_weights import wire_tensors
 
 TOKENS_PER_PASS = 8192  # padded tokens through the model at once (bounds a pass's activations)
 
@@ -44,6 +45,10 @@ class TrainedModel:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
+
+    def adapter_tensors(self) -> dict[str, np.ndarray]:
+        """A copy of the adapters under their wire names, float32 (what save_weights_for_sampler keeps)."""
+        return wire_tensors(self.model, adapter_only=True)
 
     def forward_backward(self, request: ForwardBackward) -> tuple[list[np.ndarray], dict[str, float]]:
         """Each datum's target logprobs (float32 [N]) and the metrics ({"loss:sum": L}); the gradient of L is

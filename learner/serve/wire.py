@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ValidationError
 from tinker.proto import tinker_public_pb2 as pb
 
 MAX_DATUMS = 4096  # datums in one request (the SDK sends at most 1024 per chunk)
@@ -40,6 +42,16 @@ class ForwardBackward:
     config: dict[str, float]
     forward_only: bool
     data: list[Datum]
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    """`body` (parsed JSON) as the SDK's pydantic type `model`; RequestError names the first field wrong."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "body"
+        raise RequestError(f"{model.__name__}: {where}: {first['msg']}") from None
 
 
 NUMPY_OF = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
@@ -114,4 +126,21 @@ def write_forward_backward(logprobs: list[np.ndarray], metrics: dict[str, float]
     field.offsets = np.cumsum([0] + [a.nbytes for a in arrays], dtype="<i8").tobytes()
     for name, value in metrics.items():
         out.metrics[name] = float(value)
+    return out.SerializeToString()
+
+
+def write_sample_response(
+    samples: list[tuple[list[int], list[float], str]], prompt_logprobs: list[float] | None
+) -> bytes:
+    """A SampleResponse: each sample's (tokens, logprobs, finish "stop" or "length"), and the prompt's logprobs
+    when asked (NaN where not scored, as the SDK reads None)."""
+    out = pb.SampleResponse()
+    for tokens, logprobs, finish in samples:
+        out.sequences.add(
+            stop_reason=pb.STOP_REASON_STOP if finish == "stop" else pb.STOP_REASON_LENGTH,
+            tokens=np.asarray(tokens, dtype="<i4").tobytes(),
+            logprobs=np.asarray(logprobs, dtype="<f4").tobytes(),
+        )
+    if prompt_logprobs is not None:
+        out.prompt_logprobs = np.asarray(prompt_logprobs, dtype="<f4").tobytes()
     return out.SerializeToString()

@@ -51,6 +51,7 @@ class StagedWeights:
     params: dict[str, torch.Tensor]  # parameter name -> its new value
     base: dict[str, torch.Tensor]  # a LoRA run's base weights, kept to merge later adapters onto
     new_base: bool  # whether these are new base weights (else adapters merged on the loaded base)
+    merged: set[str]  # the weights holding an adapter's delta once installed
 
 
 class TransformersEngine:
@@ -70,6 +71,8 @@ class TransformersEngine:
         self.hf_config: str | None = None  # the spec the model was built from
         self.eos_ids: set[int] = set()
         self.base: dict[str, torch.Tensor] = {}  # the weights as loaded, before LoRA adapters
+        self.merged: set[str] = set()  # the weights an adapter's delta is merged into
+        self.tied: tuple[str, str] | None = None  # a tied model's (output, input) embedding weight names
         # the wave being generated (prefill, decode): attention mask [R, P + t], KV cache, next positions [R, 1]
         self._mask = torch.zeros(0, 0, dtype=torch.long)
         self._cache = DynamicCache()
@@ -83,17 +86,32 @@ class TransformersEngine:
         self, spec: ModelSpec, weights: Mapping[str, np.ndarray] | None, adapters: Mapping[str, np.ndarray] | None
     ) -> StagedWeights:
         """Tensors for every parameter that changes: `weights` (None: keep the loaded base) with LoRA
-        `adapters` merged on top, W = W_base + (alpha / r) * B A."""
+        `adapters` merged on top, W = W_base + (alpha / r) * B A. Adapters replace the loaded ones: a weight
+        they leave alone that the last ones changed goes back to its base value (several tenants' adapters
+        take turns on one base, as `echo-rl serve` does)."""
         base = self.base
         if weights is not None:
             base = {name: torch.from_numpy(to_float32(a)).to(self.device) for name, a in weights.items()}
         elif self.model is None:
             raise RuntimeError("no policy loaded: stage weights before adapters")
         params = dict(base) if weights is not None else {}
-        if adapters:
-            for name, delta in lora_deltas(adapters, spec.lora_alpha / spec.lora_rank):
-                params[name] = base[name] + torch.from_numpy(delta).to(self.device)
-        return StagedWeights(spec, params, base if spec.lora_rank else {}, weights is not None)
+        merged: set[str] = set()
+        if adapters is not None:
+            deltas = dict(lora_deltas(adapters, spec.lora_alpha / spec.lora_rank)) if adapters else {}
+            if weights is None:
+                params.update({name: self._base_of(base, name) for name in self.merged - deltas.keys()})
+            for name, delta in deltas.items():
+                params[name] = self._base_of(base, name) + torch.from_numpy(delta).to(self.device)
+            merged = set(deltas)
+        return StagedWeights(spec, params, base if spec.lora_rank else {}, weights is not None, merged)
+
+    def _base_of(self, base: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+        """Weight `name` as loaded; a tied output layer's is the input embedding's (wire weights hold it once)."""
+        if name not in base and self.tied is not None and name == self.tied[0]:
+            name = self.tied[1]
+        if name not in base:
+            raise RuntimeError(f"an adapter for {name}, which the loaded model does not have")
+        return base[name]
 
     @torch.no_grad()
     def install(self, staged: StagedWeights) -> None:
@@ -103,16 +121,26 @@ class TransformersEngine:
                 raise RuntimeError("adapters for another model than the loaded one: stage its weights first")
             model = AutoModelForCausalLM.from_config(model_config(spec), dtype=torch.float32)
             self.model, self.hf_config = model.to(self.device).eval(), spec.hf_config
-        missing, unexpected = self.model.load_state_dict(staged.params, strict=False)
+        model = self.model
+        inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
         if staged.new_base and spec.tie_embeddings:
-            missing = [n for n in missing if n != "lm_head.weight"]
+            outputs.weight = inputs.weight  # tied again, should an output adapter have untied them
+            names = {id(m): n for n, m in model.named_modules()}
+            self.tied = (f"{names[id(outputs)]}.weight", f"{names[id(inputs)]}.weight")
+        elif staged.new_base:
+            self.tied = None
+        if self.tied is not None and self.tied[0] in staged.params and outputs.weight is inputs.weight:
+            # an adapter on the output layer changes it alone (as the trainer's peft adapter does): untie
+            outputs.weight = torch.nn.Parameter(inputs.weight.detach().clone(), requires_grad=False)
+        missing, unexpected = model.load_state_dict(staged.params, strict=False)
+        if staged.new_base and spec.tie_embeddings:
+            missing = [n for n in missing if n != self.tied[0]]
         if unexpected or (staged.new_base and missing):
             raise RuntimeError(f"the weights do not fit the {spec.model_type} model: missing {missing[:3]}, "
                                f"unexpected {unexpected[:3]}")  # fmt: skip
         if staged.new_base:
             self.base = staged.base  # kept only where adapters will be merged onto it
-            if spec.tie_embeddings:
-                self.model.tie_weights()
+        self.merged = staged.merged
         self.eos_ids = set(spec.eos_ids)
 
     def discard(self, staged: StagedWeights) -> None:
@@ -146,6 +174,14 @@ class TransformersEngine:
             raise RuntimeError("no policy loaded: call load_policy() first")
         torch.set_num_threads(self.threads)
         return generate_waves(self, requests, params, self.eos_ids, self.max_batch)
+
+    @torch.no_grad()
+    def logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """Next-token logits [T, V] at every position of one sequence (prompt logprobs, checks)."""
+        if self.model is None:
+            raise RuntimeError("no policy loaded: call load_policy() first")
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, T]
+        return self.model(input_ids=ids).logits[0].float().cpu().numpy()
 
     # -- next-token logits for worker.sampling.generate_waves (LogitsBackend) --------------------
 

@@ -1,0 +1,197 @@
+"""Sampling for `echo-rl serve`: weights saved for sampling, and the samples `asample` draws from them.
+
+    save_weights_for_sampler  ->  SamplerWeights: a copy of the training client's LoRA adapters
+    asample                   ->  LocalSampler.sample, on the model thread: one engine per base model holds
+                                  the base weights once and takes each sampler's adapters in turn
+
+The engine is a worker's (injected by echo_cli: learner code never imports worker), so tokens are drawn as a
+worker draws them (worker.sampling.generate_waves): a sample's logprobs are those of the distribution it was
+drawn from, temperature and top_p applied (temperature 0: greedy, logprob 0). Stop token ids end a sample in
+the engine; stop strings are looked for in the decoded text afterwards and the sample is cut after the first
+(the engine drew on to max_tokens: it costs time, not a different result, since a token's draw never depends
+on later ones). Prompt logprobs are the model's own (temperature 1), from one pass over the prompt.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+from tinker import types
+
+from learner.serve.wire import RequestError
+from learner.train.models import load_policy, model_spec
+from learner.train.wire_weights import wire_tensors
+from p2p.messages import Completion, Engine, GenerationRequest, ModelSpec, SamplingParams
+
+MAX_SAMPLES = 256  # num_samples of one request
+MAX_NEW_TOKENS = 8192  # max_tokens of one request (and the budget when the client sends none)
+MAX_PROMPT_LOGITS = 1 << 27  # prompt tokens x vocabulary scored at once for prompt logprobs (512 MiB)
+
+
+@dataclass(frozen=True)
+class SamplerWeights:
+    """What a sampler samples: a base model, with a training client's adapters as they were when saved."""
+
+    base_model: str
+    rank: int  # the adapters' rank (their scale is 1: alpha = rank, as learner.serve.trained_model makes them)
+    adapters: dict[str, np.ndarray]  # wire names -> float32; {} is the base model itself
+
+
+@dataclass
+class Loaded:
+    """A base model in its engine, and the weights whose adapters the engine holds now."""
+
+    engine: Engine
+    spec: ModelSpec
+    tokenizer: Any
+    vocab: int
+    context: int
+    current: SamplerWeights | None = None
+
+
+@dataclass
+class Drawn:
+    """What one asample request gives back: its samples (in order) and, if asked, the prompt's logprobs."""
+
+    samples: list[Completion]
+    prompt_logprobs: list[float] | None  # NaN where not scored (the first token, or before the last n)
+
+
+class LocalSampler:
+    """Samples on this machine with engines from `make_engine` (worker.engines), one per base model."""
+
+    def __init__(self, make_engine: Callable[[], Engine], cache_dir: str) -> None:
+        self.make_engine, self.cache_dir = make_engine, cache_dir
+        self.loaded: dict[str, Loaded] = {}
+
+    def sample(self, weights: SamplerWeights, req: types.SampleRequest) -> Drawn:
+        """Draw `req.num_samples` completions of `req.prompt` from `weights` (on the model thread)."""
+        loaded = self._load(weights)
+        check_prompt_logprobs(req, loaded.vocab)
+        prompt = req.prompt.to_ints()
+        params, stop_strings = self._params(loaded, req, len(prompt))
+        if any(not 0 <= t < loaded.vocab for t in prompt):
+            raise RequestError(f"asample: the prompt holds a token outside the vocabulary (0 to {loaded.vocab - 1})")
+        engine = loaded.engine
+        batch = int(getattr(engine, "max_batch", 1))
+        requests = [GenerationRequest(prompt, min(batch, req.num_samples - start), completion=start)
+                    for start in range(0, req.num_samples, batch)]  # fmt: skip
+        samples = [c for group in engine.generate(requests, params) for c in group]
+        if stop_strings:
+            samples = [cut_at_stop(c, stop_strings, loaded.tokenizer) for c in samples]
+        scored = self._prompt_logprobs(loaded, prompt, req) if req.prompt_logprobs else None
+        return Drawn(samples, scored)
+
+    def _load(self, weights: SamplerWeights) -> Loaded:
+        loaded = self.loaded.get(weights.base_model)
+        if loaded is None:
+            policy = load_policy(weights.base_model, self.cache_dir)
+            spec = replace(model_spec(policy), lora_rank=1, lora_alpha=1.0)  # a rank: the engine keeps its base
+            engine = self.make_engine()
+            engine.load_policy(spec, wire_tensors(policy.model))
+            cfg = policy.model.config
+            context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
+            loaded = Loaded(engine, spec, policy.tokenizer, int(cfg.vocab_size), context)
+            self.loaded[weights.base_model] = loaded
+        if loaded.current is not weights:
+            rank = max(weights.rank, 1)
+            loaded.engine.load_adapters(replace(loaded.spec, lora_rank=rank, lora_alpha=float(rank)), weights.adapters)
+            loaded.current = weights
+        return loaded
+
+    @staticmethod
+    def _params(loaded: Loaded, req: types.SampleRequest, prompt_len: int) -> tuple[SamplingParams, list[str]]:
+        p = req.sampling_params
+        room = loaded.context - prompt_len
+        max_tokens = min(MAX_NEW_TOKENS, room) if p.max_tokens is None else p.max_tokens
+        most = min(MAX_NEW_TOKENS, room)
+        if not 1 <= max_tokens <= most:
+            raise RequestError(f"asample: max_tokens {max_tokens} must be 1 to {most} (the model's context "
+                               f"is {loaded.context} tokens, the prompt {prompt_len})")  # fmt: skip
+        stop, stop_ids, stop_strings = p.stop, None, []
+        if isinstance(stop, str):
+            stop_strings = [stop]
+        elif stop is not None and all(isinstance(s, str) for s in stop):
+            stop_strings = list(stop)  # (an empty list lands in the next case: no stop at all, not even EOS)
+        if stop is not None and all(isinstance(s, int) for s in stop) and not isinstance(stop, str):
+            if any(not 0 <= s < loaded.vocab for s in stop):
+                raise RequestError(f"asample: a stop token is outside the vocabulary (0 to {loaded.vocab - 1})")
+            stop_ids = frozenset(stop)
+        if any(not s for s in stop_strings):
+            raise RequestError("asample: an empty stop string")
+        seed = secrets.randbelow(1 << 63) if p.seed is None else p.seed
+        return SamplingParams(p.temperature, p.top_p, max_tokens, seed, stop_ids), stop_strings
+
+    @staticmethod
+    def _prompt_logprobs(loaded: Loaded, prompt: list[int], req: types.SampleRequest) -> list[float]:
+        """log p(prompt[i] | prompt[:i]) for i >= 1 (NaN at 0, and before the last `prompt_logprobs_last_n`)."""
+        logits = loaded.engine.logits(prompt)  # [P, V]
+        z = logits[:-1].astype(np.float64)  # [P - 1, V] position i predicts token i + 1
+        z -= z.max(axis=1, keepdims=True)
+        logp = z[np.arange(len(z)), prompt[1:]] - np.log(np.exp(z).sum(axis=1))  # [P - 1]
+        out = [math.nan] + logp.tolist()
+        n = req.prompt_logprobs_last_n
+        return out if n is None else [math.nan] * (len(out) - n) + out[len(out) - n :]
+
+
+def check_request(req: types.SampleRequest) -> None:
+    """What `asample` refuses before queueing: what echo-rl does not compute, and values out of range."""
+    p = req.sampling_params
+    if req.topk_prompt_logprobs or req.topk_sample_logprobs or req.prompt_alt_tokens_k:
+        raise RequestError("asample: top-k logprobs and prompt alt tokens are not served by echo-rl; send 0")
+    if req.target_prompt_logprobs is not None or req.record_stability_info:
+        raise RequestError("asample: target_prompt_logprobs and record_stability_info are not served by echo-rl "
+                           "(use loss_fn=importance_sampling, ppo or cispo instead of stable_reinforce)")  # fmt: skip
+    if any(c.type != "encoded_text" for c in req.prompt.chunks):
+        raise RequestError("asample: only text prompts (encoded_text chunks) are sampled")
+    n_prompt = req.prompt.length
+    if not 1 <= n_prompt <= 1 << 20:
+        raise RequestError(f"asample: the prompt has {n_prompt} tokens; send 1 or more")
+    if not 1 <= req.num_samples <= MAX_SAMPLES:
+        raise RequestError(f"asample: num_samples {req.num_samples} must be 1 to {MAX_SAMPLES}")
+    if not (math.isfinite(p.temperature) and 0 <= p.temperature <= 100 and math.isfinite(p.top_p)
+            and 0 < p.top_p <= 1):  # fmt: skip
+        raise RequestError(f"asample: temperature must be 0 to 100 and top_p in (0, 1]; got {p.temperature}, {p.top_p}")
+    if p.max_tokens is not None and not 1 <= p.max_tokens <= MAX_NEW_TOKENS:
+        raise RequestError(f"asample: max_tokens {p.max_tokens} must be 1 to {MAX_NEW_TOKENS}")
+    if p.top_k not in (-1, 0):
+        raise RequestError(f"asample: top_k {p.top_k}: echo-rl samples with top_p only; send top_k=-1")
+    if p.seed is not None and not 0 <= p.seed < 1 << 63:
+        raise RequestError(f"asample: seed {p.seed} must be 0 to 2**63 - 1")
+    if isinstance(p.stop, list) and len(p.stop) > 64:
+        raise RequestError(f"asample: {len(p.stop)} stop sequences; send at most 64")
+    if isinstance(p.stop, list) and sum(len(s) for s in p.stop if isinstance(s, str)) > 4096:
+        raise RequestError("asample: the stop strings are too long (4096 characters in all)")
+    last_n = req.prompt_logprobs_last_n
+    if last_n is not None and not (req.prompt_logprobs and 1 <= last_n <= n_prompt - 1):
+        raise RequestError(f"asample: prompt_logprobs_last_n {last_n} needs prompt_logprobs and 1 to len(prompt) - 1")
+
+
+def check_prompt_logprobs(req: types.SampleRequest, vocab: int) -> None:
+    """Prompt logprobs score every prompt position against the whole vocabulary: bound that work."""
+    if req.prompt_logprobs and req.prompt.length * vocab > MAX_PROMPT_LOGITS:
+        raise RequestError(f"asample: prompt logprobs of {req.prompt.length} tokens: at most "
+                           f"{MAX_PROMPT_LOGITS // vocab} with this model's vocabulary of {vocab}")  # fmt: skip
+
+
+def cut_at_stop(sample: Completion, stops: list[str], tokenizer: Any) -> Completion:
+    """`sample` cut after its first token whose text completes a stop string (finish "stop"), or as it was.
+
+    The shortest prefix whose decoded text holds a stop string, found by bisection: whether a prefix holds
+    one only grows with its length."""
+    def holds(n: int) -> bool:
+        text = tokenizer.decode(sample.tokens[:n])
+        return any(s in text for s in stops)
+
+    if not sample.tokens or not holds(len(sample.tokens)):
+        return sample
+    low, high = 1, len(sample.tokens)  # holds(high) is true
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if holds(mid) else (mid + 1, high)
+    return Completion(sample.tokens[:high], sample.logprobs[:high], "stop")

@@ -1,0 +1,148 @@
+"""The Tinker API's sampling routes: weights saved for sampling, sampling sessions, and asample.
+
+    save_weights_for_sampler(model, path)   ->  future: {"path": tinker://MODEL/sampler_weights/PATH}
+    save_weights_for_sampler(model, seq)    ->  future: {"sampling_session_id"} (what the cookbook's loops use)
+    create_sampling_session(path or base)   ->  {"sampling_session_id"};  GET samplers/{id} says what it samples
+    asample(session, prompt, params)        ->  future: a SampleResponse (protobuf), with one id per sample
+
+A save runs in its training client's seq_id order and copies the adapters as they are at that point; the
+sampler it names is listed at once (its weights filled when the save runs: the SDK samples only once the
+save's future is done). A key sees only its own samplers and saved weights. A training client's unnamed
+samplers are kept EPHEMERAL_PER_MODEL deep (the cookbook makes one per step): an older one is "not found".
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tinker import types
+
+from learner.serve.futures import NotFound
+from learner.serve.sampler import SamplerWeights, check_request
+from learner.serve.wire import RequestError, parse, write_sample_response
+
+if TYPE_CHECKING:
+    from learner.serve.service import Service
+
+EPHEMERAL_PER_MODEL = 8  # unnamed samplers kept per training client, the newest
+MAX_SAVED_PER_KEY = 64  # named sampler weights one key may hold (in memory until checkpoints are stored)
+MAX_SAMPLERS_PER_KEY = 256
+SAVE_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+@dataclass
+class Saved:
+    """Weights saved for sampling: None until the save job has run (or if it failed)."""
+
+    key: str
+    base_model: str
+    weights: SamplerWeights | None = None
+
+
+@dataclass
+class Sampler:
+    """A sampling session: the saved weights it samples; `model_id` is the training client whose unnamed save
+    made it (those are evicted EPHEMERAL_PER_MODEL deep)."""
+
+    key: str
+    session_id: str
+    saved: Saved
+    model_path: str | None = None
+    model_id: str | None = None
+
+
+async def save_weights_for_sampler(svc: Service, key: str, body: Any) -> dict:
+    req = parse(types.SaveWeightsForSamplerRequest, body)
+    slot = svc.slot(key, req.model_id)
+    saved = Saved(key, slot.base_model)
+    if req.path is not None:
+        if not SAVE_NAME.fullmatch(req.path):
+            raise RequestError("save_weights_for_sampler: name the weights with 1 to 128 letters, digits, . _ or -")
+        path = f"tinker://{req.model_id}/sampler_weights/{req.path}"
+        if path not in svc.saved and sum(s.key == key for s in svc.saved.values()) >= MAX_SAVED_PER_KEY:
+            raise RequestError(f"this key holds {MAX_SAVED_PER_KEY} saved sampler weights (the server's limit)")
+        result = {"type": "save_weights_for_sampler", "path": path}
+    elif req.sampling_session_seq_id is not None:
+        sampler_id = f"{slot.session_id}:sample:{req.sampling_session_seq_id}"
+        result = {"type": "save_weights_for_sampler", "sampling_session_id": sampler_id}
+    else:
+        raise RequestError("save_weights_for_sampler: send a path, or a sampling_session_seq_id")
+
+    def save() -> dict:  # on the model thread, in seq_id order
+        saved.weights = SamplerWeights(slot.base_model, slot.lora_rank, slot.trained().adapter_tensors())
+        return result
+
+    def submit() -> tuple[str, Any]:  # once per seq_id (a resent request gets the first one's id)
+        request_id, start = svc.job(key, save)
+        if "path" in result:
+            svc.saved[result["path"]] = saved
+        else:
+            add_sampler(svc, result["sampling_session_id"], Sampler(key, slot.session_id, saved, None, req.model_id))
+        return request_id, start
+
+    return {"request_id": slot.order.add(req.seq_id, submit), "model_id": req.model_id}
+
+
+async def create_sampling_session(svc: Service, key: str, body: Any) -> dict:
+    req = parse(types.CreateSamplingSessionRequest, body)
+    svc.session(key, req.session_id)
+    sampler_id = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
+    if sampler_id not in svc.samplers:  # (else a resent request: the same answer)
+        if sum(s.key == key for s in svc.samplers.values()) >= MAX_SAMPLERS_PER_KEY:
+            raise RequestError(f"this key has {MAX_SAMPLERS_PER_KEY} sampling sessions: close a ServiceClient")
+        saved = saved_weights(svc, key, req.model_path, req.base_model)
+        add_sampler(svc, sampler_id, Sampler(key, req.session_id, saved, req.model_path))
+    return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+
+
+async def get_sampler(svc: Service, key: str, body: Any, sampler_id: str) -> dict:
+    sampler = svc.samplers.get(sampler_id)
+    if sampler is None or sampler.key != key:
+        raise NotFound(f"sampler {sampler_id!r}")
+    return {"sampler_id": sampler_id, "base_model": sampler.saved.base_model, "model_path": sampler.model_path}
+
+
+async def asample(svc: Service, key: str, body: Any) -> dict:
+    req = parse(types.SampleRequest, body)
+    check_request(req)
+    if req.sampling_session_id is not None:
+        sampler = svc.samplers.get(req.sampling_session_id)
+        if sampler is None or sampler.key != key:
+            raise NotFound(f"sampler {req.sampling_session_id!r}")
+        saved = sampler.saved
+    else:
+        saved = saved_weights(svc, key, req.model_path, req.base_model)
+
+    def draw() -> bytes:  # on the model thread
+        if saved.weights is None:
+            raise RequestError("asample: this sampler's weights were never saved (its save_weights_for_sampler failed)")
+        drawn = svc.sampler.sample(saved.weights, req)
+        return write_sample_response([(c.tokens, c.logprobs, c.finish_reason) for c in drawn.samples],
+                                     drawn.prompt_logprobs)  # fmt: skip
+
+    request_id, start = svc.job(key, draw)
+    start()
+    return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(req.num_samples)]}
+
+
+def saved_weights(svc: Service, key: str, model_path: str | None, base_model: str | None) -> Saved:
+    """The weights a sampler made from a tinker:// path or a base model samples."""
+    if model_path is not None:
+        saved = svc.saved.get(model_path)
+        if saved is None or saved.key != key:
+            raise NotFound(f"sampler weights {model_path!r}")
+        return saved
+    if base_model not in svc.options.models:
+        raise RequestError(f"base_model {base_model!r} is not served here; served: {list(svc.options.models)}")
+    return Saved(key, base_model, svc.base_weights(base_model))
+
+
+def add_sampler(svc: Service, sampler_id: str, sampler: Sampler) -> None:
+    """List `sampler`; a training client's unnamed samplers beyond the newest EPHEMERAL_PER_MODEL go."""
+    svc.samplers[sampler_id] = sampler
+    if sampler.model_id is not None:
+        mine = [s for s, x in svc.samplers.items() if x.model_id == sampler.model_id]
+        for old in mine[:-EPHEMERAL_PER_MODEL]:  # (dicts keep insertion order: oldest first)
+            del svc.samplers[old]
