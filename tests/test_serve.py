@@ -1,5 +1,6 @@
 """`echo-rl serve` with the official `tinker` SDK as its client (learner/serve), on the tiny model."""
 
+import contextlib
 import socket
 import threading
 import time
@@ -19,12 +20,11 @@ from tests.conftest import run_cli  # noqa: E402
 KEY_A, KEY_B = "tml-test-key-aaaaaaaa", "tml-test-key-bbbbbbbb"
 
 
-@pytest.fixture(scope="module")
-def base_url(tmp_path_factory):
-    """`make_app` under uvicorn on a loopback port, for the module's tests."""
+@contextlib.contextmanager
+def serving(options: ServeOptions):
+    """`make_app(options)` under uvicorn on a loopback port: yields its base URL."""
     import uvicorn
 
-    options = ServeOptions(("tiny",), str(tmp_path_factory.mktemp("cache")), "cpu", frozenset({KEY_A, KEY_B}), 3)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(make_app(options, sampler_engine), log_level="warning"))
@@ -34,9 +34,19 @@ def base_url(tmp_path_factory):
         if server.started:
             break
         time.sleep(0.1)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory):
+    options = ServeOptions(("tiny",), str(tmp_path_factory.mktemp("cache")), "cpu", frozenset({KEY_A, KEY_B}),
+                           str(tmp_path_factory.mktemp("checkpoints")), 3)  # fmt: skip
+    with serving(options) as url:
+        yield url
 
 
 def sampler_engine():
@@ -177,6 +187,64 @@ def test_a_trained_clients_sampler_samples_its_weights_and_scores_what_forward_s
     with pytest.raises(tinker.BadRequestError, match="num_samples"):
         base.sample(prompt, num_samples=10_000, sampling_params=types.SamplingParams(max_tokens=4)).result()
     sc.close("success").result()  # its model and samplers go (the fixture's key holds at most 3 models)
+
+
+def test_checkpoints_restore_weights_and_adam_survive_a_restart_and_belong_to_their_key(tmp_path):
+    """save_state keeps the adapters and AdamW's state: loading it and repeating a step gives the very model the
+    first run reached; after a restart of the server on the same checkpoint folder a new client loads the state
+    and samples the named sampler weights; the REST calls list them; another key finds none of it; a deleted
+    checkpoint is gone."""
+    options = ServeOptions(("tiny",), str(tmp_path / "cache"), "cpu", frozenset({KEY_A, KEY_B}), str(tmp_path / "ck"))
+    tokens = [5, 17, 99, 3, 42, 7, 61]
+
+    def step(tc) -> None:
+        tc.forward_backward([datum(tokens)], "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
+
+    def logprobs(tc) -> np.ndarray:
+        return tc.forward([datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+    with serving(options) as url:
+        sc = client(url)
+        tc = sc.create_lora_training_client(base_model="tiny", rank=4, user_metadata={"renderer_name": "x"}).result()
+        step(tc)
+        step(tc)
+        saved_at = logprobs(tc)
+        path = tc.save_state("two").result().path
+        sampler_path = tc.save_weights_for_sampler("two").result().path
+        assert path == f"tinker://{tc.model_id}/weights/two"
+        step(tc)
+        after_three = logprobs(tc)
+        tc.load_state_with_optimizer(path).result()
+        assert np.allclose(logprobs(tc), saved_at, atol=1e-6)
+        step(tc)  # the same step from the restored state: Adam's moments came back too
+        assert np.allclose(logprobs(tc), after_three, atol=1e-5)
+        with pytest.raises(tinker.BadRequestError, match="name"):
+            tc.save_state("../escape").result()
+        rest = sc.create_rest_client()
+        listed = {c.tinker_path: c.checkpoint_type for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+        assert listed == {path: "training", sampler_path: "sampler"}
+        run = rest.get_training_run_by_tinker_path(path).result()
+        assert run.base_model == "tiny" and run.lora_rank == 4 and run.user_metadata == {"renderer_name": "x"}
+        with pytest.raises(tinker.NotFoundError):
+            client(url, KEY_B).create_rest_client().get_training_run(tc.model_id).result()
+
+    with serving(options) as url:  # a new server process would read the same folder
+        sc = client(url)
+        restored = sc.create_training_client_from_state_with_optimizer(path).result()
+        assert np.allclose(logprobs(restored), saved_at, atol=1e-6)
+        step(restored)
+        assert np.allclose(logprobs(restored), after_three, atol=1e-5)
+        sampler = sc.create_sampling_client(model_path=sampler_path).result()
+        scored = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+        assert np.allclose(scored[1:], saved_at, atol=1e-4)
+        rest = sc.create_rest_client()
+        assert {c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints} == {path, sampler_path}
+        with pytest.raises(tinker.NotFoundError):
+            client(url, KEY_B).create_training_client_from_state(path).result()
+        rest.delete_checkpoint_from_tinker_path(sampler_path).result()
+        with pytest.raises(tinker.NotFoundError):
+            sc.create_sampling_client(model_path=sampler_path).result()
 
 
 def test_api_keys_see_only_their_own_models_and_bad_requests_get_the_sdks_errors(base_url):

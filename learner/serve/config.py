@@ -27,6 +27,8 @@ class ServeConfig:
     """Where the models train: auto (cuda if any), cpu, cuda, cuda:N."""
     api_key_file: str = "~/.config/echo-rl/serve-keys"
     """API keys, one per line, each `tml-...` (the SDK's form); a missing file is made with one new key."""
+    checkpoint_dir: str = "~/.local/share/echo-rl/serve-checkpoints"
+    """Where save_state checkpoints and named sampler weights are kept (they outlive the server)."""
     max_models_per_key: int = 4
     """Training clients one API key may hold at once (each is a copy of its base model in memory)."""
 

@@ -5,65 +5,37 @@
     create_sampling_session(path or base)   ->  {"sampling_session_id"};  GET samplers/{id} says what it samples
     asample(session, prompt, params)        ->  future: a SampleResponse (protobuf), with one id per sample
 
-A save runs in its training client's seq_id order and copies the adapters as they are at that point; the
-sampler it names is listed at once (its weights filled when the save runs: the SDK samples only once the
+A save runs in its training client's seq_id order and copies the adapters as they are at that point: a named
+one to the checkpoint store (learner.serve.checkpoints: it outlives the session and the server), an unnamed one
+in memory, listed as a sampler at once (its weights filled when the save runs: the SDK samples only once the
 save's future is done). A key sees only its own samplers and saved weights. A training client's unnamed
 samplers are kept EPHEMERAL_PER_MODEL deep (the cookbook makes one per step): an older one is "not found".
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tinker import types
 
+from learner.serve.checkpoints import NAME
 from learner.serve.futures import NotFound
 from learner.serve.sampler import SamplerWeights, check_request
+from learner.serve.state import Sampler, Saved, Service
 from learner.serve.wire import RequestError, parse, write_sample_response
 
-if TYPE_CHECKING:
-    from learner.serve.service import Service
-
 EPHEMERAL_PER_MODEL = 8  # unnamed samplers kept per training client, the newest
-MAX_SAVED_PER_KEY = 64  # named sampler weights one key may hold (in memory until checkpoints are stored)
 MAX_SAMPLERS_PER_KEY = 256
-SAVE_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
-
-
-@dataclass
-class Saved:
-    """Weights saved for sampling: None until the save job has run (or if it failed)."""
-
-    key: str
-    base_model: str
-    weights: SamplerWeights | None = None
-
-
-@dataclass
-class Sampler:
-    """A sampling session: the saved weights it samples; `model_id` is the training client whose unnamed save
-    made it (those are evicted EPHEMERAL_PER_MODEL deep)."""
-
-    key: str
-    session_id: str
-    saved: Saved
-    model_path: str | None = None
-    model_id: str | None = None
 
 
 async def save_weights_for_sampler(svc: Service, key: str, body: Any) -> dict:
     req = parse(types.SaveWeightsForSamplerRequest, body)
     slot = svc.slot(key, req.model_id)
-    saved = Saved(key, slot.base_model)
+    run, saved = slot.run, Saved(key, slot.run.base_model)
     if req.path is not None:
-        if not SAVE_NAME.fullmatch(req.path):
+        if not NAME.fullmatch(req.path):
             raise RequestError("save_weights_for_sampler: name the weights with 1 to 128 letters, digits, . _ or -")
-        path = f"tinker://{req.model_id}/sampler_weights/{req.path}"
-        if path not in svc.saved and sum(s.key == key for s in svc.saved.values()) >= MAX_SAVED_PER_KEY:
-            raise RequestError(f"this key holds {MAX_SAVED_PER_KEY} saved sampler weights (the server's limit)")
-        result = {"type": "save_weights_for_sampler", "path": path}
+        result = {"type": "save_weights_for_sampler"}
     elif req.sampling_session_seq_id is not None:
         sampler_id = f"{slot.session_id}:sample:{req.sampling_session_seq_id}"
         result = {"type": "save_weights_for_sampler", "sampling_session_id": sampler_id}
@@ -71,14 +43,17 @@ async def save_weights_for_sampler(svc: Service, key: str, body: Any) -> dict:
         raise RequestError("save_weights_for_sampler: send a path, or a sampling_session_seq_id")
 
     def save() -> dict:  # on the model thread, in seq_id order
-        saved.weights = SamplerWeights(slot.base_model, slot.lora_rank, slot.trained().adapter_tensors())
-        return result
+        adapters = slot.trained().adapter_tensors()
+        if req.path is None:
+            saved.weights = SamplerWeights(run.base_model, run.lora_rank, adapters)
+            return result
+        path = svc.store.save(key, req.model_id, "sampler_weights", req.path, adapters, None, req.ttl_seconds,
+                              req.user_metadata)  # fmt: skip
+        return result | {"path": path}
 
     def submit() -> tuple[str, Any]:  # once per seq_id (a resent request gets the first one's id)
         request_id, start = svc.job(key, save)
-        if "path" in result:
-            svc.saved[result["path"]] = saved
-        else:
+        if req.path is None:
             add_sampler(svc, result["sampling_session_id"], Sampler(key, slot.session_id, saved, None, req.model_id))
         return request_id, start
 
@@ -116,6 +91,12 @@ async def asample(svc: Service, key: str, body: Any) -> dict:
         saved = saved_weights(svc, key, req.model_path, req.base_model)
 
     def draw() -> bytes:  # on the model thread
+        if saved.weights is None and saved.found is not None:
+            try:
+                adapters = svc.store.adapters(saved.found)
+            except OSError:
+                raise RequestError("asample: the sampler's checkpoint was deleted") from None
+            saved.weights = SamplerWeights(saved.base_model, saved.found.run.lora_rank, adapters)
         if saved.weights is None:
             raise RequestError("asample: this sampler's weights were never saved (its save_weights_for_sampler failed)")
         drawn = svc.sampler.sample(saved.weights, req)
@@ -130,10 +111,8 @@ async def asample(svc: Service, key: str, body: Any) -> dict:
 def saved_weights(svc: Service, key: str, model_path: str | None, base_model: str | None) -> Saved:
     """The weights a sampler made from a tinker:// path or a base model samples."""
     if model_path is not None:
-        saved = svc.saved.get(model_path)
-        if saved is None or saved.key != key:
-            raise NotFound(f"sampler weights {model_path!r}")
-        return saved
+        found = svc.store.find(key, model_path)
+        return Saved(key, found.run.base_model, None, found)
     if base_model not in svc.options.models:
         raise RequestError(f"base_model {base_model!r} is not served here; served: {list(svc.options.models)}")
     return Saved(key, base_model, svc.base_weights(base_model))

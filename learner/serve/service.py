@@ -7,7 +7,8 @@
 A training client's requests carry seq_id (1, 2, ...) and run in seq_id order (learner.serve.futures).
 They are checked when their turn comes, so a refused one still takes its seq_id. All model work runs on one
 thread, one request at a time, the keys taking turns (futures.ModelThread): the learner's device is one.
-A session ends when its client closes it or stops heart-beating for SESSION_TIMEOUT_S; its models go with it.
+A session ends when its client closes it or stops heart-beating for 10 minutes; its models go with it
+(learner.serve.state). Sampling: learner.serve.sampling_routes; checkpoints: learner.serve.checkpoint_routes.
 JSON bodies are checked against the SDK's own pydantic types; the two protobuf ones are in
 learner.serve.wire. A key sees only its own sessions, models and futures (anyone else's are "not found").
 What the client got wrong is a 400 (or a future's "user" error) naming it, never a 500: the SDK retries
@@ -24,7 +25,6 @@ import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import zstandard
@@ -34,17 +34,25 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tinker import types
 
-from learner.serve.futures import Busy, Futures, ModelThread, NotFound, Ordered
-from learner.serve.sampler import LocalSampler, SamplerWeights
+from learner.serve.checkpoint_routes import (
+    delete_checkpoint,
+    get_training_run,
+    list_checkpoints,
+    list_training_runs,
+    list_user_checkpoints,
+    load_weights,
+    save_weights,
+    weights_info,
+)
+from learner.serve.checkpoints import RunInfo
+from learner.serve.futures import Busy, NotFound
 from learner.serve.sampling_routes import (
-    Sampler,
-    Saved,
     asample,
     create_sampling_session,
     get_sampler,
     save_weights_for_sampler,
 )
-from learner.serve.trained_model import TrainedModel
+from learner.serve.state import ServeOptions, Service, Session
 from learner.serve.wire import (
     RequestError,
     parse,
@@ -59,105 +67,7 @@ log = logging.getLogger(__name__)
 MAX_JSON = 1 << 20  # bytes of a JSON body
 MAX_PROTO = 16 << 20  # bytes of a forward_backward body, decompressed (the SDK sends chunks of ~5 MB at most)
 MAX_LORA_RANK = 256
-SESSION_TIMEOUT_S = 600.0  # a session not heart-beaten this long is ended (the SDK beats every 10 s)
 MAX_SESSIONS_PER_KEY = 64
-
-
-@dataclass
-class ServeOptions:
-    """What `echo-rl serve` serves (echo_cli's ServeConfig fills it)."""
-
-    models: tuple[str, ...]  # base models a client may train (learner.train.models.load_policy names)
-    cache_dir: str
-    device: str
-    api_keys: frozenset[str]
-    max_models_per_key: int = 4
-
-
-@dataclass
-class Session:
-    key: str
-    seen: float = field(default_factory=time.monotonic)  # its last heartbeat (or creation)
-
-
-@dataclass
-class Slot:
-    """A training client's model and its request order."""
-
-    key: str
-    session_id: str
-    base_model: str
-    lora_rank: int
-    created_by: str  # the create_model request id (a retried create_model gets it again)
-    model: TrainedModel | None = None  # None until create_model has run
-    failed: bool = False  # create_model failed: the slot no longer counts against the key
-    order: Ordered = field(default_factory=Ordered)
-
-    def trained(self) -> TrainedModel:
-        if self.model is None:
-            raise RequestError("this model failed to load (the server's log says why); create another")
-        return self.model
-
-
-class Service:
-    """The state behind the routes. Only the event loop's thread touches these tables; the model thread
-    only runs jobs (and sets a slot's model)."""
-
-    def __init__(self, options: ServeOptions, make_engine: Callable[[], Engine]) -> None:
-        self.options = options
-        self.sessions: dict[str, Session] = {}  # session id -> its key
-        self.slots: dict[str, Slot] = {}  # model id -> slot
-        self.samplers: dict[str, Sampler] = {}  # sampling session id -> what it samples
-        self.saved: dict[str, Saved] = {}  # tinker:// path -> sampler weights saved under a name
-        self.futures = Futures()
-        self.thread = ModelThread()
-        self.sampler = LocalSampler(make_engine, options.cache_dir)
-        self._bases: dict[str, SamplerWeights] = {}
-
-    def base_weights(self, base_model: str) -> SamplerWeights:
-        """A base model itself, for samplers made from it (one object: the engine need not swap between them)."""
-        return self._bases.setdefault(base_model, SamplerWeights(base_model, 0, {}))
-
-    def key_of(self, request: Request) -> str:
-        key = request.headers.get("x-api-key", "")
-        if key not in self.options.api_keys:
-            raise PermissionError("unknown API key: set TINKER_API_KEY to a key from the server's key file")
-        return key
-
-    def session(self, key: str, session_id: str) -> Session:
-        self.expire()
-        session = self.sessions.get(session_id)
-        if session is None or session.key != key:
-            raise NotFound(f"session {session_id!r}")
-        return session
-
-    def slot(self, key: str, model_id: str) -> Slot:
-        slot = self.slots.get(model_id)
-        if slot is None or slot.key != key:
-            raise NotFound(f"model {model_id!r}")
-        return slot
-
-    def end(self, session_id: str) -> None:
-        """End a session: its models and samplers are dropped (freed once no queued job holds them); weights
-        saved under a name stay."""
-        self.sessions.pop(session_id, None)
-        for sampler_id in [s for s, sampler in self.samplers.items() if sampler.session_id == session_id]:
-            del self.samplers[sampler_id]
-        for model_id in [m for m, slot in self.slots.items() if slot.session_id == session_id]:
-            del self.slots[model_id]
-            log.info("serve: %s dropped (its session ended)", model_id)
-
-    def expire(self) -> None:
-        now = time.monotonic()
-        for session_id in [s for s, session in self.sessions.items() if now - session.seen > SESSION_TIMEOUT_S]:
-            self.end(session_id)
-        for model_id in [m for m, slot in self.slots.items() if slot.failed]:
-            del self.slots[model_id]
-
-    def job(self, key: str, job: Callable[[], Any]) -> tuple[str, Callable[[], None]]:
-        """A future for `key` and what starts `job` for it on the model thread (Ordered.add's `submit`)."""
-        request_id, future = self.futures.submit(key)
-        return request_id, lambda: self.thread.run(key, future, job)
 
 
 # -- routes
@@ -185,48 +95,29 @@ async def session_heartbeat(svc: Service, key: str, body: Any) -> dict:
 
 async def create_model(svc: Service, key: str, body: Any) -> dict:
     req = parse(types.CreateModelRequest, body)
-    svc.session(key, req.session_id)
     model_id = f"{req.session_id}:train:{req.model_seq_id}"
-    if (slot := svc.slots.get(model_id)) is not None:  # a retried POST gets the first one's future
+    if (slot := svc.slots.get(model_id)) is not None and slot.key == key:  # a resent POST: the first's future
         return {"request_id": slot.created_by, "model_id": model_id}
-    if req.base_model not in svc.options.models:
-        raise RequestError(f"base_model {req.base_model!r} is not served here; served: {list(svc.options.models)}")
     lora = req.lora_config
     if lora is None or not 1 <= lora.rank <= MAX_LORA_RANK or not (lora.train_mlp and lora.train_attn):
         raise RequestError(f"lora_config: echo-rl trains ranks 1 to {MAX_LORA_RANK} with train_mlp and train_attn")
     if req.optimizer_config.type != "adamw":
         raise RequestError(f"optimizer {req.optimizer_config.type!r}: echo-rl serves adamw only")
-    if sum(s.key == key for s in svc.slots.values()) >= svc.options.max_models_per_key:
-        raise RequestError(
-            f"this key holds {svc.options.max_models_per_key} models already (the server's limit): close a "
-            "ServiceClient to free its models"
-        )
-    opts = svc.options
-
-    def load() -> dict:
-        try:
-            slot.model = TrainedModel(req.base_model, opts.cache_dir, opts.device, lora.rank,
-                                      lora.seed or 0, lora.train_unembed)  # fmt: skip
-        except BaseException:
-            slot.failed = True
-            raise
-        log.info("serve: %s: %s with rank-%d LoRA", model_id, req.base_model, lora.rank)
-        return {"type": "create_model", "model_id": model_id}
-
-    request_id, start = svc.job(key, load)
-    slot = svc.slots[model_id] = Slot(key, req.session_id, req.base_model, lora.rank, request_id)
-    start()
+    run = RunInfo(req.base_model, lora.rank, lora.train_unembed, lora.seed or 0)
+    request_id = svc.open_model(key, req.session_id, req.model_seq_id, run, req.user_metadata, None,
+                                 {"type": "create_model", "model_id": model_id})  # fmt: skip
     return {"request_id": request_id, "model_id": model_id}
 
 
 async def get_info(svc: Service, key: str, body: Any) -> dict:
     req = parse(types.GetInfoRequest, body)
     slot = svc.slot(key, req.model_id)
-    data = {"arch": "unknown", "model_name": slot.base_model, "tokenizer_id": slot.base_model}
+    base_model = slot.run.base_model
+    data = {"arch": "unknown", "model_name": base_model, "tokenizer_id": base_model}
     if slot.model is not None:
         data["arch"] = slot.model.model.config.model_type
     return {"type": "get_info", "model_id": req.model_id, "model_data": data, "is_lora": True,
-            "lora_rank": slot.lora_rank, "model_name": slot.base_model}  # fmt: skip
+            "lora_rank": slot.run.lora_rank, "model_name": base_model}  # fmt: skip
 
 
 async def optim_step(svc: Service, key: str, body: Any) -> dict:
@@ -281,7 +172,7 @@ def make_app(options: ServeOptions, make_engine: Callable[[], Engine]) -> Starle
             try:
                 key = svc.key_of(request)
                 body = await read_body(request, MAX_PROTO if raw else MAX_JSON)
-                args = [body] if raw else [_json(body) if method == "POST" else None]
+                args = [body] if raw else [_json(body) if method == "POST" else dict(request.query_params)]
                 out = await handler(svc, key, *args, **request.path_params)
                 return out if isinstance(out, Response) else JSONResponse(out)
             except PermissionError as exc:
@@ -318,6 +209,14 @@ def make_app(options: ServeOptions, make_engine: Callable[[], Engine]) -> Starle
         route(f"{api}/create_sampling_session", create_sampling_session),
         route(f"{api}/samplers/{{sampler_id}}", get_sampler, method="GET"),
         route(f"{api}/asample", asample),
+        route(f"{api}/save_weights", save_weights),
+        route(f"{api}/load_weights", load_weights),
+        route(f"{api}/weights_info", weights_info),
+        route(f"{api}/training_runs", list_training_runs, method="GET"),
+        route(f"{api}/training_runs/{{run_id}}", get_training_run, method="GET"),
+        route(f"{api}/training_runs/{{run_id}}/checkpoints", list_checkpoints, method="GET"),
+        route(f"{api}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}", delete_checkpoint, method="DELETE"),
+        route(f"{api}/checkpoints", list_user_checkpoints, method="GET"),
         Route(f"{api}/healthz", healthz),
         Route(f"{api}/get_server_capabilities", capabilities),
     ]

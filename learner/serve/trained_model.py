@@ -17,11 +17,12 @@ import torch
 
 from learner.serve.losses import LOSSES, Loss
 from learner.serve.wire import Datum, ForwardBackward, RequestError
+from learner.train.data_parallel import World, full_optimizer_state, load_optimizer_state
 from learner.train.devices import resolve_device
 from learner.train.lora import add_lora
 from learner.train.models import load_policy
 from learner.train.trainer import model_device, token_logprobs
-from learner.train.wire_weights import wire_tensors
+from learner.train.wire_weights import wire_name, wire_tensors
 
 TOKENS_PER_PASS = 8192  # padded tokens through the model at once (bounds a pass's activations)
 
@@ -49,6 +50,26 @@ class TrainedModel:
     def adapter_tensors(self) -> dict[str, np.ndarray]:
         """A copy of the adapters under their wire names, float32 (what save_weights_for_sampler keeps)."""
         return wire_tensors(self.model, adapter_only=True)
+
+    def optimizer_state(self) -> dict:
+        """AdamW's state keyed by parameter name (what save_state keeps beside the adapters)."""
+        return full_optimizer_state(self.model, self.optimizer, World())
+
+    def restore(self, adapters: dict[str, np.ndarray], optimizer: dict | None) -> None:
+        """Put saved adapters (wire names, as adapter_tensors gives them) and, if given, AdamW's state back."""
+        params = {wire_name(n): p for n, p in self.model.named_parameters() if p.requires_grad}
+        wrong = sorted(set(params) ^ set(adapters)) or [n for n, p in params.items()
+                                                         if tuple(p.shape) != adapters[n].shape]  # fmt: skip
+        if wrong:
+            raise RequestError(f"the checkpoint's adapters do not fit this model (first: {wrong[0]})")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(torch.from_numpy(adapters[name]))
+        if optimizer is not None:
+            try:
+                load_optimizer_state(self.model, self.optimizer, optimizer)
+            except (KeyError, ValueError, RuntimeError) as exc:
+                raise RequestError(f"the checkpoint's optimizer state does not fit this model ({exc})") from None
 
     def forward_backward(self, request: ForwardBackward) -> tuple[list[np.ndarray], dict[str, float]]:
         """Each datum's target logprobs (float32 [N]) and the metrics ({"loss:sum": L}); the gradient of L is

@@ -15,6 +15,12 @@ from p2p.config import ConfigError
 from p2p.messages import Engine, ModelSpec, is_adapter
 
 
+def wire_name(name: str) -> str:
+    """A parameter's name as workers know it: peft's LoRA wrapping (`.base_layer.`, `.lora_A.default.`) removed."""
+    name = name.replace(".base_layer.", ".").replace(".lora_A.default.", ".lora_A.")
+    return name.replace(".lora_B.default.", ".lora_B.")
+
+
 def wire_state(
     model: torch.nn.Module, adapter_only: bool = False, state: dict[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
@@ -24,8 +30,7 @@ def wire_state(
     for name, t in (model.state_dict() if state is None else state).items():
         if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
             continue
-        name = name.replace(".base_layer.", ".").replace(".lora_A.default.", ".lora_A.")
-        name = name.replace(".lora_B.default.", ".lora_B.")
+        name = wire_name(name)
         if not adapter_only or is_adapter(name):
             out[name] = t.detach()
     return out
