@@ -109,6 +109,17 @@ def test_a_tinker_client_trains_a_lora_model_and_every_loss_is_the_formula_on_th
         got = tc.forward([datum(tokens, logprobs=q, advantages=adv)], name).result().metrics["loss:sum"]
         assert got == pytest.approx(value, rel=1e-4, abs=1e-5), name
 
+    # gspo: each datum's tokens carry its sequence ratio, the geometric mean over the tokens its mask marks
+    mask, other = [0.0, 1.0, 1.0, 1.0, 0.0, 1.0], tokens[::-1]
+    q2 = (by_hand_logprobs(other) + 0.25).tolist()
+    want2 = by_hand_logprobs(other)
+    s1 = np.exp(((want - np.array(q)) * np.array(mask)).sum() / sum(mask))
+    s2 = np.exp(np.mean(want2 - np.array(q2)))
+    by_hand = sum(-np.minimum(s * a, np.clip(s, lo, hi) * a).sum() for s in (s1, s2))
+    two = [datum(tokens, logprobs=q, advantages=adv, sequence_ratio_mask=mask),
+           datum(other, logprobs=q2, advantages=adv, sequence_ratio_mask=[1.0] * 6)]  # fmt: skip
+    assert tc.forward(two, "gspo").result().metrics["loss:sum"] == pytest.approx(by_hand, rel=1e-4, abs=1e-5)
+
     # the SDK's own custom-loss path (two cross_entropy passes, the second weighted by the loss's gradient)
     custom = tc.forward_backward_custom([datum(tokens)], lambda data, logps: ((-2.0 * logps[0]).sum(), {})).result()
     assert custom.metrics["loss:sum"] == pytest.approx(-2.0 * want.sum(), rel=1e-5)

@@ -3,8 +3,9 @@
 Every loss is a sum over the target tokens of all datums (Tinker's convention: the client's weights and
 advantages carry any normalisation), given
     logp = log pi_theta(target_tokens[i] | model_input[: i + 1])   [N], with gradient,
-and the datums' loss_fn_inputs flattened the same way. Adding a loss is one function here: the registry
-says which inputs it reads, and `echo-rl serve` offers every name in it.
+and the datums' loss_fn_inputs flattened the same way, with x["datum"] the index of each token's datum (a
+sequence-level loss groups by it). Adding a loss is one function here: the registry says which inputs it
+reads, and `echo-rl serve` offers every name in it.
 """
 
 from __future__ import annotations
@@ -77,3 +78,18 @@ def cispo(logp: torch.Tensor, x: dict[str, torch.Tensor], cfg: dict[str, float])
     ratio = exp_ratio(logp.detach() - x["logprobs"])
     weight = torch.clamp(ratio, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
     return -(weight * x["advantages"] * logp).sum()
+
+
+@loss("gspo", (*RL_INPUTS, "sequence_ratio_mask"), CLIP)
+def gspo(logp: torch.Tensor, x: dict[str, torch.Tensor], cfg: dict[str, float]) -> torch.Tensor:
+    """GSPO, token form: every token of a datum carries its sequence's ratio, the geometric mean of the token
+    ratios over the tokens `sequence_ratio_mask` marks (M), with the gradient of its own log-probability,
+        s = exp(mean_{t in M} (log pi_theta(y_t) - log q(y_t))),   s_i = sg(s) pi_theta(y_i) / sg(pi_theta(y_i)),
+        L = -sum_i min(s_i A_i, clip(s_i, clip_low_threshold, clip_high_threshold) A_i)."""
+    datum, marked = x["datum"], (x["sequence_ratio_mask"] != 0).float()  # [N] each
+    n = int(datum.max()) + 1
+    sums = torch.zeros(n, device=logp.device).index_add_(0, datum, (logp.detach() - x["logprobs"]) * marked)
+    counts = torch.zeros(n, device=logp.device).index_add_(0, datum, marked).clamp(min=1.0)
+    ratio = exp_ratio((sums / counts)[datum] + logp - logp.detach())  # [N]
+    kept, _ = clipped_surrogate(ratio, x["advantages"], cfg["clip_low_threshold"], cfg["clip_high_threshold"])
+    return -kept.sum()

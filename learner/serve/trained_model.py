@@ -100,6 +100,8 @@ class TrainedModel:
             with torch.set_grad_enabled(not request.forward_only):
                 logp = self._target_logprobs(batch)  # [N] over the pass's datums
                 inputs = {name: flat(batch, name).to(logp.device) for name in loss.inputs}  # each [N]
+                sizes = torch.tensor([len(d.tokens) for d in batch])
+                inputs["datum"] = torch.repeat_interleave(torch.arange(len(batch)), sizes).to(logp.device)  # [N]
                 value = loss.fn(logp, inputs, config)
                 if not request.forward_only:
                     value.backward()
