@@ -70,6 +70,12 @@ def datum(tokens: list[int], **inputs: list[float]) -> types.Datum:
                        loss_fn_inputs={"target_tokens": tokens[1:], **inputs})  # fmt: skip
 
 
+def by_hand_tokenizer():
+    from learner.train.models import tiny_policy
+
+    return tiny_policy(seed=0).tokenizer
+
+
 def by_hand_logprobs(tokens: list[int]) -> np.ndarray:
     """log pi(tokens[t + 1] | tokens[: t + 1]) under the tiny model as tiny_policy(seed=0) makes it (a fresh
     LoRA adapter is zero: the model is the base)."""
@@ -89,6 +95,7 @@ def test_a_tinker_client_trains_a_lora_model_and_every_loss_is_the_formula_on_th
     tc = sc.create_lora_training_client(base_model="tiny", rank=4).result()
     info = tc.get_info()
     assert info.model_data.model_name == "tiny" and info.lora_rank == 4 and info.model_data.arch == "llama"
+    assert tc.get_tokenizer().decode([72, 101]) == by_hand_tokenizer().decode([72, 101])  # from the served folder
     tokens = [5, 17, 99, 3, 42, 7, 61]
     want = by_hand_logprobs(tokens)
     out = tc.forward([datum(tokens)], "cross_entropy").result()
@@ -171,9 +178,7 @@ def test_a_trained_clients_sampler_samples_its_weights_and_scores_what_forward_s
     stopped = sampler.sample(prompt, num_samples=5, sampling_params=cut).result().sequences[0]
     assert stopped.tokens == first[: first.index(first[2]) + 1] and stopped.stop_reason == "stop"
 
-    from learner.train.models import tiny_policy
-
-    tokenizer = tiny_policy(seed=0).tokenizer
+    tokenizer = by_hand_tokenizer()
     text = tokenizer.decode(first[3:5])
     cut = types.SamplingParams(max_tokens=6, temperature=1.0, seed=11, stop=[text])
     stopped = sampler.sample(prompt, num_samples=5, sampling_params=cut).result().sequences[0]

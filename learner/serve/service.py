@@ -115,7 +115,7 @@ async def get_info(svc: Service, key: str, body: Any) -> dict:
     base_model = slot.run.base_model
     data = {"arch": "unknown", "model_name": base_model, "tokenizer_id": base_model}
     if slot.model is not None:
-        data["arch"] = slot.model.model.config.model_type
+        data |= {"arch": slot.model.model.config.model_type, "tokenizer_id": slot.model.tokenizer_id}
     return {"type": "get_info", "model_id": req.model_id, "model_data": data, "is_lora": True,
             "lora_rank": slot.run.lora_rank, "model_name": base_model}  # fmt: skip
 

@@ -10,7 +10,10 @@ every loss is a sum over tokens, so the accumulated gradient is the whole reques
 
 from __future__ import annotations
 
+import hashlib
 import warnings
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +37,7 @@ class TrainedModel:
         self, base_model: str, cache_dir: str, device: str, lora_rank: int, seed: int = 0, head: bool = True
     ) -> None:
         self.policy = load_policy(base_model, cache_dir)  # (`tiny`'s random weights: always seed 0's)
+        self.tokenizer_id = tokenizer_source(base_model, cache_dir, self.policy.tokenizer)
         self.base_model, self.lora_rank = base_model, lora_rank
         model = self.policy.model.to(resolve_device(device))
         self.context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
@@ -156,6 +160,21 @@ class TrainedModel:
                          logits_to_keep=1)  # fmt: skip
         hidden = out.hidden_states[-1][rows.to(device), cols.to(device)]  # [N, H]
         return token_logprobs(self.model, hidden, targets, 1.0, 1.0)
+
+
+def tokenizer_source(name: str, cache_dir: str, tokenizer: Any) -> str:
+    """What a client loads `name`'s tokenizer from (the SDK's get_tokenizer: AutoTokenizer.from_pretrained):
+    a local folder's absolute path, a hub id as it is, else (tiny, smollm2-135m, a GGUF file) a folder the
+    tokenizer is saved to once, in the cache."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    if not path.exists() and name not in ("tiny", "smollm2-135m"):
+        return name  # a hub id, which load_policy found in the local hub cache
+    folder = Path(cache_dir).expanduser() / "tokenizers" / hashlib.sha256(name.encode()).hexdigest()[:16]
+    if not (folder / "tokenizer_config.json").exists():
+        tokenizer.save_pretrained(folder)
+    return str(folder.resolve())
 
 
 def flat(batch: list[Datum], name: str) -> torch.Tensor:
