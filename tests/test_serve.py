@@ -263,6 +263,39 @@ def test_checkpoints_restore_weights_and_adam_survive_a_restart_and_belong_to_th
             sc.create_sampling_client(model_path=sampler_path).result()
 
 
+def test_tenants_share_a_base_model_and_never_each_others_adapters(base_url):
+    """A training client's losses and logprobs are the same whether it trains alone or while another key's
+    client (another rank, no output-layer adapter, its own data and learning rate) trains on the same base
+    model between its steps: the base is shared, each client's adapters and AdamW are its own."""
+    tokens, other = [5, 17, 99, 3, 42, 7, 61], [8, 8, 21, 34, 55, 89]
+
+    def run(with_neighbour: bool) -> tuple[list[float], np.ndarray]:
+        sc = client(base_url, KEY_A)
+        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+        neighbour = None
+        if with_neighbour:
+            sc_b = client(base_url, KEY_B)
+            neighbour = sc_b.create_lora_training_client(base_model="tiny", rank=2, seed=5,
+                                                         train_unembed=False).result()  # fmt: skip
+        losses = []
+        for _ in range(3):
+            fb = tc.forward_backward([datum(tokens)], "cross_entropy")
+            if neighbour is not None:
+                neighbour.forward_backward([datum(other)], "cross_entropy").result()
+                neighbour.optim_step(types.AdamParams(learning_rate=0.1)).result()
+            tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
+            losses.append(fb.result().metrics["loss:sum"])
+        final = tc.forward([datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        sc.close("success").result()
+        if with_neighbour:
+            sc_b.close("success").result()
+        return losses, final
+
+    alone, together = run(False), run(True)
+    assert alone[0] == together[0]  # the very same figures, to the last bit
+    assert np.array_equal(alone[1], together[1])
+
+
 def test_api_keys_see_only_their_own_models_and_bad_requests_get_the_sdks_errors(base_url):
     """Key B cannot read key A's model (not found, as if it did not exist); an unknown key is refused;
     a base model the server does not serve, an unknown loss and a token outside the vocabulary are the
@@ -382,7 +415,7 @@ def test_every_family_serves_the_logprobs_of_its_own_forward_and_trains(family, 
     cross_entropy steps lower the loss; the local sampler, given the trained adapters, scores the prompt as the
     trained model does (the output layer's adapter included, tied or not)."""
     from learner.serve.sampler import LocalSampler, SamplerWeights
-    from learner.serve.trained_model import TrainedModel
+    from learner.serve.trained_model import SharedBase, TrainedModel
     from learner.serve.wire import Datum, ForwardBackward
     from learner.train.models import load_policy
     from tests.families import save_family
@@ -394,7 +427,7 @@ def test_every_family_serves_the_logprobs_of_its_own_forward_and_trains(family, 
         logits = base(input_ids=torch.tensor([tokens[:-1]])).logits[0].float()  # [T, V]
     want = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1).numpy()
 
-    served = TrainedModel(folder, "unused", "cpu", lora_rank=4, head=True)
+    served = TrainedModel(SharedBase(folder, "unused", "cpu"), lora_rank=4, head=True)
 
     def request(forward_only: bool) -> ForwardBackward:
         inputs = {"target_tokens": np.array(tokens[1:], np.int64)}

@@ -7,6 +7,7 @@ found" (learner.serve.futures.NotFound), as if it did not exist.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from starlette.requests import Request
 from learner.serve.checkpoints import CheckpointStore, Found, RunInfo
 from learner.serve.futures import Futures, ModelThread, NotFound, Ordered
 from learner.serve.sampler import LocalSampler, SamplerWeights
-from learner.serve.trained_model import TrainedModel
+from learner.serve.trained_model import SharedBase, TrainedModel
 from learner.serve.wire import RequestError
 from p2p.messages import Engine
 
@@ -55,9 +56,12 @@ class Slot:
     created_by: str  # the create_model request id (a retried create_model gets it again)
     model: TrainedModel | None = None  # None until create_model has run
     failed: bool = False  # create_model failed: the slot no longer counts against the key
+    closed: bool = False  # its session ended: its adapters come off the shared base
     order: Ordered = field(default_factory=Ordered)
 
     def trained(self) -> TrainedModel:
+        if self.closed:
+            raise RequestError("this model's session has ended")
         if self.model is None:
             raise RequestError("this model failed to load (the server's log says why); create another")
         return self.model
@@ -65,7 +69,7 @@ class Slot:
 
 class Service:
     """The state behind the routes. Only the event loop's thread touches these tables; the model thread
-    only runs jobs (and sets a slot's model)."""
+    only runs jobs (and sets a slot's model, a sampler's weights; `shared` is its own)."""
 
     def __init__(self, options: ServeOptions, make_engine: Callable[[], Engine]) -> None:
         self.options = options
@@ -76,6 +80,7 @@ class Service:
         self.thread = ModelThread()
         self.sampler = LocalSampler(make_engine, options.cache_dir)
         self.store = CheckpointStore(options.checkpoint_dir)
+        self.shared: dict[str, SharedBase] = {}  # base model -> the copy its training clients share (model thread)
         self._bases: dict[str, SamplerWeights] = {}
 
     def base_weights(self, base_model: str) -> SamplerWeights:
@@ -108,8 +113,19 @@ class Service:
         for sampler_id in [s for s, sampler in self.samplers.items() if sampler.session_id == session_id]:
             del self.samplers[sampler_id]
         for model_id in [m for m, slot in self.slots.items() if slot.session_id == session_id]:
-            del self.slots[model_id]
+            self.drop(self.slots.pop(model_id))
             log.info("serve: %s dropped (its session ended)", model_id)
+
+    def drop(self, slot: Slot) -> None:
+        """Free a training client's adapters, on the model thread after the jobs it has queued."""
+        slot.closed = True
+
+        def close() -> None:
+            if slot.model is not None:
+                slot.model.close()
+                slot.model = None
+
+        self.thread.run(slot.key, concurrent.futures.Future(), close)
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -124,7 +140,7 @@ class Service:
         return request_id, lambda: self.thread.run(key, future, job)
 
     def open_model(
-            self, key: str, session_id: str, model_seq_id: int, run: RunInfo, user_metadata: dict | None,
+        self, key: str, session_id: str, model_seq_id: int, run: RunInfo, user_metadata: dict | None,
         restore: Callable[[TrainedModel], None] | None, result: dict,
     ) -> str:  # fmt: skip
         """A new training client `SESSION:train:SEQ` of `run` (`restore` then fills it from a checkpoint): its
@@ -143,13 +159,18 @@ class Service:
         opts = self.options
 
         def load() -> dict:
+            model = None
             try:
-                model = TrainedModel(run.base_model, opts.cache_dir, opts.device, run.lora_rank, run.seed, run.head)
+                if run.base_model not in self.shared:
+                    self.shared[run.base_model] = SharedBase(run.base_model, opts.cache_dir, opts.device)
+                model = TrainedModel(self.shared[run.base_model], run.lora_rank, run.seed, run.head)
                 if restore is not None:
                     restore(model)
                 self.store.add_run(model_id, key, run, user_metadata)
             except BaseException:
                 slot.failed = True
+                if model is not None:
+                    model.close()
                 raise
             slot.model = model
             log.info("serve: %s: %s with rank-%d LoRA", model_id, run.base_model, run.lora_rank)

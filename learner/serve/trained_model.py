@@ -1,4 +1,5 @@
-"""One Tinker training client's model on the learner: a base policy with its own LoRA adapters and AdamW.
+"""One Tinker training client's model: its own LoRA adapters on a base model it shares with the other clients
+of that base model (SharedBase), and its own AdamW.
 
     forward_backward(datums, loss)  ->  logp of each target token, and loss.backward() (unless forward-only)
     optim_step(adam)                ->  clip the accumulated gradient, one AdamW step, zero it
@@ -11,6 +12,7 @@ every loss is a sum over tokens, so the accumulated gradient is the whole reques
 from __future__ import annotations
 
 import hashlib
+import itertools
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,48 +22,87 @@ import torch
 
 from learner.serve.losses import LOSSES, Loss
 from learner.serve.wire import Datum, ForwardBackward, RequestError
-from learner.train.data_parallel import World, full_optimizer_state, load_optimizer_state
 from learner.train.devices import resolve_device
-from learner.train.lora import add_lora
+from learner.train.lora import add_lora, lora_targets
 from learner.train.models import load_policy
 from learner.train.trainer import model_device, token_logprobs
-from learner.train.wire_weights import wire_name, wire_tensors
+from learner.train.wire_weights import wire_name
 
 TOKENS_PER_PASS = 8192  # padded tokens through the model at once (bounds a pass's activations)
 
 
-class TrainedModel:
-    """`base_model` (a name learner.train.models.load_policy reads) with rank-`lora_rank` adapters."""
+class SharedBase:
+    """A base model loaded once for all the training clients on it: each client's LoRA is a peft adapter of its
+    own name, active only while that client's job runs (the model thread runs one job at a time), so clients
+    share the base weights and never each other's adapters."""
 
-    def __init__(
-        self, base_model: str, cache_dir: str, device: str, lora_rank: int, seed: int = 0, head: bool = True
-    ) -> None:
+    def __init__(self, base_model: str, cache_dir: str, device: str) -> None:
         self.policy = load_policy(base_model, cache_dir)  # (`tiny`'s random weights: always seed 0's)
         self.tokenizer_id = tokenizer_source(base_model, cache_dir, self.policy.tokenizer)
-        self.base_model, self.lora_rank = base_model, lora_rank
-        model = self.policy.model.to(resolve_device(device))
-        self.context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
-        self.vocab = int(model.get_output_embeddings().weight.shape[0])
-        torch.manual_seed(seed)  # the adapters' random A matrices
+        self.model = self.policy.model.to(resolve_device(device)).eval()  # eval: no dropout in the logprobs
+        self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 20)
+        self.vocab = int(self.model.get_output_embeddings().weight.shape[0])
+        self.targets = lora_targets(self.model)  # (once: peft's layers wrap the linear ones)
+        self.layers: list[Any] = []  # peft's LoRA layers (every adapter's)
+        self.count = itertools.count()
+        self.active: str | None = None
+
+    def add(self, rank: int, seed: int, head: bool) -> str:
+        """A new adapter (alpha = rank: it adds B A), its A drawn from `seed`; returns its name."""
+        from peft.tuners.lora import LoraLayer
+
+        name = f"client{next(self.count)}"
+        torch.manual_seed(seed)
         with warnings.catch_warnings():  # peft warns of an adapter on a tied output layer: only the head gets it
             warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
-            add_lora(model, lora_rank, alpha=float(lora_rank), head=head)  # alpha = r: an adapter adds B A
-        model.eval()  # no dropout: a forward pass gives the logprobs the loss uses
-        self.model = model
-        self.params = [p for p in model.parameters() if p.requires_grad]
+            add_lora(self.model, rank, alpha=float(rank), head=head, name=name, targets=self.targets)
+        self.layers = [m for m in self.model.modules() if isinstance(m, LoraLayer)]
+        self.active = None
+        return name
+
+    def activate(self, name: str) -> None:
+        """Make adapter `name` the one forward passes use (and the only one with requires_grad)."""
+        if self.active != name:
+            for layer in self.layers:
+                layer.set_adapter(name)
+            self.active = name
+
+    def remove(self, name: str) -> None:
+        for layer in self.layers:
+            if name in layer.lora_A:
+                layer.delete_adapter(name)
+        self.active = None
+
+
+class TrainedModel:
+    """A training client: its own rank-`lora_rank` adapters on a SharedBase, and its own AdamW."""
+
+    def __init__(self, base: SharedBase, lora_rank: int, seed: int = 0, head: bool = True) -> None:
+        self.base, self.model = base, base.model
+        self.context, self.vocab, self.tokenizer_id = base.context, base.vocab, base.tokenizer_id
+        self.name = base.add(lora_rank, seed, head)
+        mine = [(n, p) for n, p in self.model.named_parameters() if f".{self.name}." in n]
+        self.wire_names = [wire_name(n.replace(f".{self.name}.", ".default.")) for n, _ in mine]
+        self.params = [p for _, p in mine]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
+
+    def close(self) -> None:
+        """Take the adapters off the shared base (the client is gone)."""
+        self.base.remove(self.name)
 
     def adapter_tensors(self) -> dict[str, np.ndarray]:
         """A copy of the adapters under their wire names, float32 (what save_weights_for_sampler keeps)."""
-        return wire_tensors(self.model, adapter_only=True)
+        pairs = zip(self.wire_names, self.params, strict=True)
+        return {n: p.detach().to("cpu", torch.float32, copy=True).numpy() for n, p in pairs}
 
     def optimizer_state(self) -> dict:
-        """AdamW's state keyed by parameter name (what save_state keeps beside the adapters)."""
-        return full_optimizer_state(self.model, self.optimizer, World())
+        """AdamW's state (what save_state keeps beside the adapters): by parameter order, which the same base
+        model, rank and output-layer choice give again."""
+        return self.optimizer.state_dict()
 
     def restore(self, adapters: dict[str, np.ndarray], optimizer: dict | None) -> None:
         """Put saved adapters (wire names, as adapter_tensors gives them) and, if given, AdamW's state back."""
-        params = {wire_name(n): p for n, p in self.model.named_parameters() if p.requires_grad}
+        params = dict(zip(self.wire_names, self.params, strict=True))
         wrong = sorted(set(params) ^ set(adapters)) or [n for n, p in params.items()
                                                          if tuple(p.shape) != adapters[n].shape]  # fmt: skip
         if wrong:
@@ -71,7 +112,7 @@ class TrainedModel:
                 p.copy_(torch.from_numpy(adapters[name]))
         if optimizer is not None:
             try:
-                load_optimizer_state(self.model, self.optimizer, optimizer)
+                self.optimizer.load_state_dict(optimizer)
             except (KeyError, ValueError, RuntimeError) as exc:
                 raise RequestError(f"the checkpoint's optimizer state does not fit this model ({exc})") from None
 
@@ -92,6 +133,7 @@ class TrainedModel:
             for name, value in loss.absent.items():
                 datum.inputs.setdefault(name, np.full(len(datum.tokens), value, np.float32))
             self._check(datum, ("target_tokens", *loss.inputs))
+        self.base.activate(self.name)
         try:
             return self._passes(request, loss, config)
         except BaseException:

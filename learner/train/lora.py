@@ -22,14 +22,19 @@ def lora_targets(model: torch.nn.Module) -> list[str]:
     return sorted({name.rpartition(".")[2] for name in linear})
 
 
-def add_lora(model: torch.nn.Module, rank: int, alpha: float, head: bool = False) -> None:
+def add_lora(
+    model: torch.nn.Module, rank: int, alpha: float, head: bool = False, name: str = "default",
+    targets: list[str] | None = None,
+) -> None:  # fmt: skip
     """Inject rank-`rank` adapters into every attention and MLP projection (and the output layer: `head`,
-    which `echo-rl serve` offers; workers' GGUF adapters have none) and freeze everything else."""
+    which `echo-rl serve` offers; workers' GGUF adapters have none) and freeze everything else. `name`: the
+    adapter's peft name; `targets`: lora_targets of the model before any adapter (`echo-rl serve` gives each
+    training client on a shared base model an adapter of its own, where peft's layers hide the linear ones)."""
     from peft import LoraConfig, inject_adapter_in_model  # only LoRA runs pay for importing peft
 
-    targets = lora_targets(model)
+    targets = list(targets) if targets is not None else lora_targets(model)
     if head:
         out = model.get_output_embeddings()
         targets += [name.rpartition(".")[2] for name, m in model.named_modules() if m is out]
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none")
-    inject_adapter_in_model(config, model)
+    inject_adapter_in_model(config, model, adapter_name=name)
