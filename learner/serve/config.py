@@ -30,7 +30,7 @@ class ServeConfig:
     checkpoint_dir: str = "~/.local/share/echo-rl/serve-checkpoints"
     """Where save_state checkpoints and named sampler weights are kept (they outlive the server)."""
     max_models_per_key: int = 4
-    """Training clients one API key may hold at once (each is a copy of its base model in memory)."""
+    """Training clients one API key may hold at once (each its adapters and AdamW state; the base is shared)."""
 
     sampler_threads: int = 2
     """CPU threads the sampler uses (transformers engine, on `device`)."""
