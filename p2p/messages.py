@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -113,14 +113,17 @@ def is_adapter(name: str) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample completions: temperature (0: greedy, for evaluation), nucleus top_p, a token budget, a seed,
-    and the tokens that end a completion (None: the model's end-of-turn tokens; empty: none, only the budget)."""
+    """How to sample completions: temperature (0: greedy, for evaluation), nucleus top_p, a token budget, a seed;
+    what else ends a completion: `stop_ids`, tokens besides the model's end-of-turn ones (an empty set: none
+    at all, only the budget), and `stop_when(tokens so far)` (e.g. a stop string in their text). Neither
+    travels in a lease."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 64
     seed: int = 0
     stop_ids: frozenset[int] | None = None
+    stop_when: Callable[[list[int]], bool] | None = None
 
 
 @dataclass(frozen=True)

@@ -196,12 +196,24 @@ def test_a_trained_clients_sampler_samples_its_weights_and_scores_what_forward_s
     base_scored = base.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
     assert np.allclose(base_scored[1:], by_hand_logprobs(tokens), atol=1e-4)
 
-    for bad, message in [(dict(top_k=5), "top_k"), (dict(max_tokens=0), "max_tokens")]:
+    # "inflight" samplers of a client all sample its latest inflight save
+    early = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    tc.forward_backward([datum(tokens)], "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    late = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    now = forward_logprobs(tokens)
+    for inflight in (early, late):
+        assert np.allclose(inflight.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:], now, atol=1e-4)
+
+    bad_requests = [(dict(top_k=5), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(temperature=1e-310), "temp")]
+    for bad, message in bad_requests:
         bad_params = types.SamplingParams(**{"max_tokens": 4, **bad})
         with pytest.raises(tinker.BadRequestError, match=message):
             base.sample(prompt, num_samples=1, sampling_params=bad_params).result()
     with pytest.raises(tinker.BadRequestError, match="num_samples"):
         base.sample(prompt, num_samples=10_000, sampling_params=types.SamplingParams(max_tokens=4)).result()
+    with pytest.raises(tinker.BadRequestError, match="num_samples x"):  # what one request may cost is bounded
+        base.sample(prompt, num_samples=200, sampling_params=types.SamplingParams(max_tokens=1000)).result()
     sc.close("success").result()  # its model and samplers go (the fixture's key holds at most 3 models)
 
 
@@ -235,8 +247,9 @@ def test_checkpoints_restore_weights_and_adam_survive_a_restart_and_belong_to_th
         assert np.allclose(logprobs(tc), saved_at, atol=1e-6)
         step(tc)  # the same step from the restored state: Adam's moments came back too
         assert np.allclose(logprobs(tc), after_three, atol=1e-5)
-        with pytest.raises(tinker.BadRequestError, match="name"):
+        with pytest.raises(tinker.RequestFailedError, match="name"):
             tc.save_state("../escape").result()
+        assert np.allclose(logprobs(tc), after_three, atol=1e-5)  # the refusal kept its seq_id: no gap, no hang
         rest = sc.create_rest_client()
         listed = {c.tinker_path: c.checkpoint_type for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
         assert listed == {path: "training", sampler_path: "sampler"}
@@ -337,7 +350,8 @@ def test_api_keys_see_only_their_own_models_and_bad_requests_get_the_sdks_errors
 def test_a_refused_request_keeps_its_place_and_hostile_bodies_cost_the_server_nothing(base_url):
     """A request refused when its turn comes (an optim_step with a learning rate of 5) still takes its seq_id:
     the next one runs rather than waiting forever for a gap. An overflowing loss is stepped over, not on,
-    and said so in finite JSON. A zstd bomb, deep JSON and a seq_id far ahead are 400s."""
+    and said so in finite JSON. A zstd bomb, deep JSON and a seq_id far ahead are 400s; a request waiting for
+    an earlier seq_id fails when its session ends, rather than holding its place in the key's quota forever."""
     headers = {"X-API-Key": KEY_B}
 
     def post(path: str, body: dict, **kw) -> httpx.Response:
@@ -356,6 +370,10 @@ def test_a_refused_request_keeps_its_place_and_hostile_bodies_cost_the_server_no
     assert post("retrieve_future", {"request_id": good.json()["request_id"]}).json()["type"] == "optim_step"
     far = post("optim_step", {"model_id": model_id, "seq_id": 10**6, "adam_params": {"learning_rate": 1e-3}})
     assert far.status_code == 400 and "out of range" in far.text
+    waiting = post("optim_step", {"model_id": model_id, "seq_id": 5, "adam_params": {"learning_rate": 1e-3}})
+    post(f"sessions/{session}/finish", {"reason": {"type": "success"}, "detail": None})
+    ended = post("retrieve_future", {"request_id": waiting.json()["request_id"]}).json()  # not held forever
+    assert ended["category"] == "user" and "ended" in ended["error"]
 
     import zstandard
 
@@ -447,5 +465,7 @@ def test_every_family_serves_the_logprobs_of_its_own_forward_and_trains(family, 
     ask = types.SampleRequest(prompt=prompt, sampling_params=types.SamplingParams(max_tokens=1), prompt_logprobs=True)
     scored = sampler.sample(SamplerWeights(folder, 4, served.adapter_tensors()), ask).prompt_logprobs
     assert np.allclose(scored[1:], trained[:-1], atol=1e-4), family
+    torch.set_num_threads(2)
     base_scored = sampler.sample(SamplerWeights(folder, 0, {}), ask).prompt_logprobs  # the adapters replaced
+    assert torch.get_num_threads() == 2  # the engine's thread count was its own while it sampled
     assert np.allclose(base_scored[1:], want[:-1], atol=1e-4), family

@@ -89,9 +89,10 @@ def generate_waves(
     every live sequence gets one token per decode call: token t of completion c of group g is p's inverse
     CDF at the lease's draw (seed, (g, c, position + t)) (p2p.draws), p = sample_next's distribution, so
     any engine that computes the same logits draws the same tokens, and the learner can replay them. A
-    sequence stops at an end-of-turn token ("stop": `eos_ids`, or params.stop_ids when given) or after
-    max_new_tokens ("length")."""
-    eos_ids = eos_ids if params.stop_ids is None else params.stop_ids
+    sequence stops at an end-of-turn token or one of params.stop_ids ("stop"; an empty stop_ids: none stops),
+    when params.stop_when says so of its tokens ("stop"), or after max_new_tokens ("length")."""
+    if params.stop_ids is not None:  # the request's stop tokens besides end of turn; none at all if empty
+        eos_ids = set(eos_ids) | params.stop_ids if params.stop_ids else frozenset()
     out: list[list[Completion]] = []
     wave: list[GenerationRequest] = []
     for request in requests:
@@ -116,7 +117,7 @@ def _generate_wave(
         for s, token, logprob in zip(alive, tokens.tolist(), logprobs.tolist(), strict=True):
             seqs[s].tokens.append(token)
             seqs[s].logprobs.append(logprob)
-            if token in eos_ids:
+            if token in eos_ids or (params.stop_when is not None and params.stop_when(seqs[s].tokens)):
                 seqs[s].finish_reason = "stop"
             elif t + 1 < params.max_new_tokens:
                 still.append(s)

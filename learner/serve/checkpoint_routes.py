@@ -15,7 +15,8 @@ from typing import Any
 
 from tinker import types
 
-from learner.serve.checkpoints import NAME, RunInfo, iso
+from learner.serve.checkpoints import NAME, Found, RunInfo, iso
+from learner.serve.futures import NotFound
 from learner.serve.state import Service
 from learner.serve.trained_model import TrainedModel
 from learner.serve.wire import RequestError, parse
@@ -26,10 +27,10 @@ MAX_LISTED = 1000  # items of one list call (limit)
 async def save_weights(svc: Service, key: str, body: Any) -> dict:
     req = parse(types.SaveWeightsRequest, body)
     slot = svc.slot(key, req.model_id)
-    if req.path is None or not NAME.fullmatch(req.path):
-        raise RequestError("save_state: name the checkpoint with 1 to 128 letters, digits, . _ or -")
 
-    def save() -> dict:  # on the model thread, in seq_id order
+    def save() -> dict:  # on the model thread, in seq_id order: a refusal too keeps its place
+        if req.path is None or not NAME.fullmatch(req.path):
+            raise RequestError("save_state: name the checkpoint with 1 to 128 letters, digits, . _ or -")
         model = slot.trained()
         path = svc.store.save(key, req.model_id, "weights", req.path, model.adapter_tensors(), model.optimizer_state(),
                               req.ttl_seconds, req.user_metadata, req.overwrite)  # fmt: skip
@@ -40,13 +41,17 @@ async def save_weights(svc: Service, key: str, body: Any) -> dict:
 
 async def load_weights(svc: Service, key: str, body: Any) -> dict:
     req = parse(types.LoadWeightsRequest, body)
-    found = svc.store.find(key, req.path)
-    if req.optimizer and found.kind != "weights":
-        raise RequestError("load_weights: a sampler checkpoint holds no optimizer state; load it with optimizer=False")
-    if req.base_model is not None and req.base_model != found.run.base_model:
-        raise RequestError(f"load_weights: the checkpoint is of {found.run.base_model!r}, not {req.base_model!r}")
 
-    def restore(model: TrainedModel) -> None:  # on the model thread
+    def checkpoint() -> Found:
+        found = svc.store.find(key, req.path)
+        if req.optimizer and found.kind != "weights":
+            raise RequestError("load_weights: a sampler checkpoint holds no optimizer state; load it with "
+                               "optimizer=False")  # fmt: skip
+        if req.base_model is not None and req.base_model != found.run.base_model:
+            raise RequestError(f"load_weights: the checkpoint is of {found.run.base_model!r}, not {req.base_model!r}")
+        return found
+
+    def restore(model: TrainedModel, found: Found) -> None:  # on the model thread
         try:
             adapters = svc.store.adapters(found)
             optimizer = svc.store.optimizer(found) if req.optimizer else None
@@ -61,17 +66,22 @@ async def load_weights(svc: Service, key: str, body: Any) -> dict:
         result = {"type": "load_weights", "path": req.path, "model_id": model_id}
         if (slot := svc.slots.get(model_id)) is not None and slot.key == key:  # a resent POST
             return {"request_id": slot.created_by, "model_id": model_id}
-        request_id = svc.open_model(key, req.session_id, req.model_seq_id, found.run, req.user_metadata, restore,
-                                    result)  # fmt: skip
+        found = checkpoint()
+        request_id = svc.open_model(key, req.session_id, req.model_seq_id, found.run, req.user_metadata,
+                                    lambda model: restore(model, found), result)  # fmt: skip
         return {"request_id": request_id, "model_id": model_id}
     if req.model_id is None:
         raise RequestError("load_weights: send session_id and model_seq_id, or model_id and seq_id")
     slot = svc.slot(key, req.model_id)
-    if fits(found.run) != fits(slot.run):
-        raise RequestError(f"load_weights: the checkpoint's model ({found.run}) is not this client's ({slot.run})")
 
-    def load() -> dict:
-        restore(slot.trained())
+    def load() -> dict:  # on the model thread, in seq_id order: a refusal too keeps its place
+        try:
+            found = checkpoint()
+        except NotFound as exc:
+            raise RequestError(f"load_weights: {exc} not found") from None
+        if fits(found.run) != fits(slot.run):
+            raise RequestError(f"load_weights: the checkpoint's model ({found.run}) is not this client's ({slot.run})")
+        restore(slot.trained(), found)
         return {"type": "load_weights", "path": req.path}
 
     return {"request_id": slot.order.add(req.seq_id, lambda: svc.job(key, load)), "model_id": req.model_id}

@@ -7,9 +7,10 @@
 The engine is a worker's (injected by echo_cli: learner code never imports worker), so tokens are drawn as a
 worker draws them (worker.sampling.generate_waves): a sample's logprobs are those of the distribution it was
 drawn from, temperature and top_p applied (temperature 0: greedy, logprob 0). Stop token ids end a sample in
-the engine; stop strings are looked for in the decoded text afterwards and the sample is cut after the first
-(the engine drew on to max_tokens: it costs time, not a different result, since a token's draw never depends
-on later ones). Prompt logprobs are the model's own (temperature 1), from one pass over the prompt.
+the engine, as the model's end-of-turn tokens do; a stop string ends it once the text of its last tokens holds
+one, and the sample is cut after the token that completed it. Prompt logprobs are the model's own
+(temperature 1), from one pass over the prompt. What one request may cost is bounded (MAX_REQUEST_TOKENS):
+each runs whole on the model thread, the keys taking turns between requests.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from learner.train.wire_weights import wire_tensors
 from p2p.messages import Completion, Engine, GenerationRequest, ModelSpec, SamplingParams
 
 MAX_SAMPLES = 256  # num_samples of one request
-MAX_NEW_TOKENS = 8192  # max_tokens of one request (and the budget when the client sends none)
-MAX_PROMPT_LOGITS = 1 << 27  # prompt tokens x vocabulary scored at once for prompt logprobs (512 MiB)
+MAX_NEW_TOKENS = 8192  # max_tokens of one request
+MAX_REQUEST_TOKENS = 1 << 16  # num_samples x (prompt + max_tokens) of one request: its KV cache and its time
+MAX_PROMPT_LOGITS = 1 << 27  # prompt tokens x vocabulary scored for prompt logprobs (512 MiB of float32 logits)
 
 
 @dataclass(frozen=True)
@@ -108,8 +110,8 @@ class LocalSampler:
     def _params(loaded: Loaded, req: types.SampleRequest, prompt_len: int) -> tuple[SamplingParams, list[str]]:
         p = req.sampling_params
         room = loaded.context - prompt_len
-        max_tokens = min(MAX_NEW_TOKENS, room) if p.max_tokens is None else p.max_tokens
-        most = min(MAX_NEW_TOKENS, room)
+        most = min(MAX_NEW_TOKENS, room, MAX_REQUEST_TOKENS // req.num_samples - prompt_len)
+        max_tokens = most if p.max_tokens is None else p.max_tokens
         if not 1 <= max_tokens <= most:
             raise RequestError(f"asample: max_tokens {max_tokens} must be 1 to {most} (the model's context "
                                f"is {loaded.context} tokens, the prompt {prompt_len})")  # fmt: skip
@@ -125,16 +127,19 @@ class LocalSampler:
         if any(not s for s in stop_strings):
             raise RequestError("asample: an empty stop string")
         seed = secrets.randbelow(1 << 63) if p.seed is None else p.seed
-        return SamplingParams(p.temperature, p.top_p, max_tokens, seed, stop_ids), stop_strings
+        stop_when = stop_text_check(stop_strings, loaded.tokenizer) if stop_strings else None
+        return SamplingParams(p.temperature, p.top_p, max_tokens, seed, stop_ids, stop_when), stop_strings
 
     @staticmethod
     def _prompt_logprobs(loaded: Loaded, prompt: list[int], req: types.SampleRequest) -> list[float]:
         """log p(prompt[i] | prompt[:i]) for i >= 1 (NaN at 0, and before the last `prompt_logprobs_last_n`)."""
-        logits = loaded.engine.logits(prompt)  # [P, V]
-        z = logits[:-1].astype(np.float64)  # [P - 1, V] position i predicts token i + 1
-        z -= z.max(axis=1, keepdims=True)
-        logp = z[np.arange(len(z)), prompt[1:]] - np.log(np.exp(z).sum(axis=1))  # [P - 1]
-        out = [math.nan] + logp.tolist()
+        logits = loaded.engine.logits(prompt)  # [P, V]; position i predicts token i + 1
+        out = [math.nan]
+        for start in range(0, len(prompt) - 1, 64):  # 64 rows at a time in float64 (a copy of all would be 2x)
+            z = logits[start : min(start + 64, len(prompt) - 1)].astype(np.float64)  # [n, V]
+            z -= z.max(axis=1, keepdims=True)
+            targets = prompt[start + 1 : start + 1 + len(z)]
+            out += (z[np.arange(len(z)), targets] - np.log(np.exp(z).sum(axis=1))).tolist()
         n = req.prompt_logprobs_last_n
         return out if n is None else [math.nan] * (len(out) - n) + out[len(out) - n :]
 
@@ -154,11 +159,15 @@ def check_request(req: types.SampleRequest) -> None:
         raise RequestError(f"asample: the prompt has {n_prompt} tokens; send 1 or more")
     if not 1 <= req.num_samples <= MAX_SAMPLES:
         raise RequestError(f"asample: num_samples {req.num_samples} must be 1 to {MAX_SAMPLES}")
-    if not (math.isfinite(p.temperature) and 0 <= p.temperature <= 100 and math.isfinite(p.top_p)
-            and 0 < p.top_p <= 1):  # fmt: skip
-        raise RequestError(f"asample: temperature must be 0 to 100 and top_p in (0, 1]; got {p.temperature}, {p.top_p}")
+    temperature_ok = p.temperature == 0 or (math.isfinite(p.temperature) and 1e-6 <= p.temperature <= 100)
+    if not (temperature_ok and math.isfinite(p.top_p) and 0 < p.top_p <= 1):
+        raise RequestError(f"asample: temperature must be 0 (greedy) or 1e-6 to 100, top_p in (0, 1]; got "
+                           f"{p.temperature}, {p.top_p}")  # fmt: skip
     if p.max_tokens is not None and not 1 <= p.max_tokens <= MAX_NEW_TOKENS:
         raise RequestError(f"asample: max_tokens {p.max_tokens} must be 1 to {MAX_NEW_TOKENS}")
+    if req.num_samples * (n_prompt + (p.max_tokens or 1)) > MAX_REQUEST_TOKENS:
+        raise RequestError(f"asample: num_samples x (prompt + max_tokens) must stay within {MAX_REQUEST_TOKENS} "
+                           "tokens; send fewer samples per request")  # fmt: skip
     if p.top_k not in (-1, 0):
         raise RequestError(f"asample: top_k {p.top_k}: echo-rl samples with top_p only; send top_k=-1")
     if p.seed is not None and not 0 <= p.seed < 1 << 63:
@@ -177,6 +186,19 @@ def check_prompt_logprobs(req: types.SampleRequest, vocab: int) -> None:
     if req.prompt_logprobs and req.prompt.length * vocab > MAX_PROMPT_LOGITS:
         raise RequestError(f"asample: prompt logprobs of {req.prompt.length} tokens: at most "
                            f"{MAX_PROMPT_LOGITS // vocab} with this model's vocabulary of {vocab}")  # fmt: skip
+
+
+def stop_text_check(stops: list[str], tokenizer: Any) -> Callable[[list[int]], bool]:
+    """Whether a completion's text has just completed a stop string: its last tokens are decoded each step (as
+    many as the longest stop string has characters, and a few more: a token is at least one character, or
+    part of one), so the engine stops drawing there; cut_at_stop then cuts exactly."""
+    window = max(len(s) for s in stops) + 4
+
+    def stopped(tokens: list[int]) -> bool:
+        text = tokenizer.decode(tokens[-window:])
+        return any(s in text for s in stops)
+
+    return stopped
 
 
 def cut_at_stop(sample: Completion, stops: list[str], tokenizer: Any) -> Completion:

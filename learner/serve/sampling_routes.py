@@ -9,7 +9,8 @@ A save runs in its training client's seq_id order and copies the adapters as the
 one to the checkpoint store (learner.serve.checkpoints: it outlives the session and the server), an unnamed one
 in memory, listed as a sampler at once (its weights filled when the save runs: the SDK samples only once the
 save's future is done). A key sees only its own samplers and saved weights. A training client's unnamed
-samplers are kept EPHEMERAL_PER_MODEL deep (the cookbook makes one per step): an older one is "not found".
+snapshot samplers are kept EPHEMERAL_PER_MODEL deep (the cookbook makes one per step): an older one is "not
+found"; its "inflight" samplers share one target, which each inflight save replaces.
 """
 
 from __future__ import annotations
@@ -24,37 +25,38 @@ from learner.serve.sampler import SamplerWeights, check_request
 from learner.serve.state import Sampler, Saved, Service
 from learner.serve.wire import RequestError, parse, write_sample_response
 
-EPHEMERAL_PER_MODEL = 8  # unnamed samplers kept per training client, the newest
+EPHEMERAL_PER_MODEL = 4  # unnamed snapshot samplers kept per training client, the newest
 MAX_SAMPLERS_PER_KEY = 256
 
 
 async def save_weights_for_sampler(svc: Service, key: str, body: Any) -> dict:
     req = parse(types.SaveWeightsForSamplerRequest, body)
     slot = svc.slot(key, req.model_id)
-    run, saved = slot.run, Saved(key, slot.run.base_model)
-    if req.path is not None:
-        if not NAME.fullmatch(req.path):
-            raise RequestError("save_weights_for_sampler: name the weights with 1 to 128 letters, digits, . _ or -")
-        result = {"type": "save_weights_for_sampler"}
-    elif req.sampling_session_seq_id is not None:
-        sampler_id = f"{slot.session_id}:sample:{req.sampling_session_seq_id}"
-        result = {"type": "save_weights_for_sampler", "sampling_session_id": sampler_id}
-    else:
-        raise RequestError("save_weights_for_sampler: send a path, or a sampling_session_seq_id")
+    run = slot.run
+    unnamed = req.path is None and req.sampling_session_seq_id is not None
+    inflight = unnamed and req.kind == "inflight"  # every inflight sampler of a client samples its latest save
+    saved = slot.inflight if inflight and slot.inflight is not None else Saved(key, run.base_model)
+    sampler_id = f"{slot.session_id}:sample:{req.sampling_session_seq_id}"
 
-    def save() -> dict:  # on the model thread, in seq_id order
+    def save() -> dict:  # on the model thread, in seq_id order: a refusal too keeps its place
+        if req.path is None and req.sampling_session_seq_id is None:
+            raise RequestError("save_weights_for_sampler: send a path, or a sampling_session_seq_id")
+        if req.path is not None and not NAME.fullmatch(req.path):
+            raise RequestError("save_weights_for_sampler: name the weights with 1 to 128 letters, digits, . _ or -")
         adapters = slot.trained().adapter_tensors()
         if req.path is None:
             saved.weights = SamplerWeights(run.base_model, run.lora_rank, adapters)
-            return result
+            return {"type": "save_weights_for_sampler", "sampling_session_id": sampler_id}
         path = svc.store.save(key, req.model_id, "sampler_weights", req.path, adapters, None, req.ttl_seconds,
                               req.user_metadata)  # fmt: skip
-        return result | {"path": path}
+        return {"type": "save_weights_for_sampler", "path": path}
 
     def submit() -> tuple[str, Any]:  # once per seq_id (a resent request gets the first one's id)
         request_id, start = svc.job(key, save)
-        if req.path is None:
-            add_sampler(svc, result["sampling_session_id"], Sampler(key, slot.session_id, saved, None, req.model_id))
+        if unnamed:
+            if inflight:
+                slot.inflight = saved
+            add_sampler(svc, sampler_id, Sampler(key, slot.session_id, saved, None, None if inflight else req.model_id))
         return request_id, start
 
     return {"request_id": slot.order.add(req.seq_id, submit), "model_id": req.model_id}
@@ -65,8 +67,6 @@ async def create_sampling_session(svc: Service, key: str, body: Any) -> dict:
     svc.session(key, req.session_id)
     sampler_id = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
     if sampler_id not in svc.samplers:  # (else a resent request: the same answer)
-        if sum(s.key == key for s in svc.samplers.values()) >= MAX_SAMPLERS_PER_KEY:
-            raise RequestError(f"this key has {MAX_SAMPLERS_PER_KEY} sampling sessions: close a ServiceClient")
         saved = saved_weights(svc, key, req.model_path, req.base_model)
         add_sampler(svc, sampler_id, Sampler(key, req.session_id, saved, req.model_path))
     return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
@@ -119,9 +119,13 @@ def saved_weights(svc: Service, key: str, model_path: str | None, base_model: st
 
 
 def add_sampler(svc: Service, sampler_id: str, sampler: Sampler) -> None:
-    """List `sampler`; a training client's unnamed samplers beyond the newest EPHEMERAL_PER_MODEL go."""
+    """List `sampler`; a training client's unnamed snapshot samplers beyond the newest EPHEMERAL_PER_MODEL go,
+    and a key's oldest samplers beyond MAX_SAMPLERS_PER_KEY."""
     svc.samplers[sampler_id] = sampler
     if sampler.model_id is not None:
         mine = [s for s, x in svc.samplers.items() if x.model_id == sampler.model_id]
         for old in mine[:-EPHEMERAL_PER_MODEL]:  # (dicts keep insertion order: oldest first)
             del svc.samplers[old]
+    keys = [s for s, x in svc.samplers.items() if x.key == sampler.key]
+    for old in keys[:-MAX_SAMPLERS_PER_KEY]:
+        del svc.samplers[old]

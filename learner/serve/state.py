@@ -57,6 +57,7 @@ class Slot:
     model: TrainedModel | None = None  # None until create_model has run
     failed: bool = False  # create_model failed: the slot no longer counts against the key
     closed: bool = False  # its session ended: its adapters come off the shared base
+    inflight: Saved | None = None  # what its "inflight" samplers sample: its latest inflight save
     order: Ordered = field(default_factory=Ordered)
 
     def trained(self) -> TrainedModel:
@@ -117,8 +118,12 @@ class Service:
             log.info("serve: %s dropped (its session ended)", model_id)
 
     def drop(self, slot: Slot) -> None:
-        """Free a training client's adapters, on the model thread after the jobs it has queued."""
+        """Free a training client's adapters, on the model thread after the jobs it has queued (those still
+        waiting for an earlier seq_id start now, and fail: the session has ended)."""
         slot.closed = True
+        for start in slot.order.waiting.values():
+            start()
+        slot.order.waiting.clear()
 
         def close() -> None:
             if slot.model is not None:

@@ -97,12 +97,11 @@ class TransformersEngine:
         params = dict(base) if weights is not None else {}
         merged: set[str] = set()
         if adapters is not None:
-            deltas = dict(lora_deltas(adapters, spec.lora_alpha / spec.lora_rank)) if adapters else {}
+            merged = {n.removesuffix(".lora_A.weight") + ".weight" for n in adapters if n.endswith(".lora_A.weight")}
             if weights is None:
-                params.update({name: self._base_of(base, name) for name in self.merged - deltas.keys()})
-            for name, delta in deltas.items():
-                params[name] = self._base_of(base, name) + torch.from_numpy(delta).to(self.device)
-            merged = set(deltas)
+                params.update({name: self._base_of(base, name) for name in self.merged - merged})
+            for name, delta in lora_deltas(adapters, spec.lora_alpha / spec.lora_rank) if adapters else ():
+                params[name] = self._base_of(base, name) + torch.from_numpy(delta).to(self.device)  # one at a time
         return StagedWeights(spec, params, base if spec.lora_rank else {}, weights is not None, merged)
 
     def _base_of(self, base: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -172,8 +171,12 @@ class TransformersEngine:
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]:
         if self.model is None:
             raise RuntimeError("no policy loaded: call load_policy() first")
+        threads = torch.get_num_threads()  # (a per-thread setting: the caller's thread may train next)
         torch.set_num_threads(self.threads)
-        return generate_waves(self, requests, params, self.eos_ids, self.max_batch)
+        try:
+            return generate_waves(self, requests, params, self.eos_ids, self.max_batch)
+        finally:
+            torch.set_num_threads(threads)
 
     @torch.no_grad()
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
@@ -200,7 +203,7 @@ class TransformersEngine:
         positions = (self._mask.cumsum(1) - 1).clamp(min=0)  # [R, P] each prompt's tokens from position 0
         self._cache = DynamicCache()
         out = self.model(input_ids=ids.to(self.device), attention_mask=self._mask, position_ids=positions,
-                         past_key_values=self._cache, use_cache=True)  # fmt: skip
+                         past_key_values=self._cache, use_cache=True, logits_to_keep=1)  # fmt: skip
         self._next_position = positions[:, -1:] + 1  # [R, 1]
         return out.logits[:, -1, :].float().cpu().numpy()  # [R, V]
 
