@@ -78,6 +78,10 @@ async def client_config(svc: Service, key: str, body: Any) -> dict:
     return {"use_pyqwest_transport": False, "proto_compress_fwdbwd": False, "sample_use_retrieve_futures": False}
 
 
+async def dynamic_config(svc: Service, key: str, body: Any) -> dict:
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}  # (asked for again every 5 minutes)
+
+
 async def create_session(svc: Service, key: str, body: Any) -> dict:
     parse(types.CreateSessionRequest, body)
     svc.expire()
@@ -196,6 +200,7 @@ def make_app(options: ServeOptions, make_engine: Callable[[], Engine]) -> Starle
     api = "/api/v1"
     routes = [
         route(f"{api}/client/config", client_config),
+        route(f"{api}/client/dynamic_config", dynamic_config),
         route(f"{api}/create_session", create_session),
         route(f"{api}/session_heartbeat", session_heartbeat),
         route(f"{api}/sessions/{{session_id}}/finish", finish_session),

@@ -53,8 +53,9 @@ class SharedBase:
 
         name = f"client{next(self.count)}"
         torch.manual_seed(seed)
-        with warnings.catch_warnings():  # peft warns of an adapter on a tied output layer: only the head gets it
-            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+        with warnings.catch_warnings():  # peft warns of an adapter on a tied output layer (only the head gets
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")  # it), and of several adapters
+            warnings.filterwarnings("ignore", message=".*multiple adapters.*")
             add_lora(self.model, rank, alpha=float(rank), head=head, name=name, targets=self.targets)
         self.layers = [m for m in self.model.modules() if isinstance(m, LoraLayer)]
         self.active = None
