@@ -126,6 +126,12 @@ def test_a_tinker_client_trains_a_lora_model_and_every_loss_is_the_formula_on_th
     two = [datum(tokens, logprobs=q, advantages=adv, sequence_ratio_mask=mask),
            datum(other, logprobs=q2, advantages=adv, sequence_ratio_mask=[1.0] * 6)]  # fmt: skip
     assert tc.forward(two, "gspo").result().metrics["loss:sum"] == pytest.approx(by_hand, rel=1e-4, abs=1e-5)
+    q3 = want2 + np.array([0.0, 0.3, -0.1, 2.0, 0.2, 0.1])  # token 3 (no advantage) would move the mean a lot
+    unmasked = [datum(other, logprobs=q3.tolist(), advantages=[0.0, 1.0, 1.0, 0.0, 2.0, 2.0])]  # mask: A != 0
+    s3 = np.exp(np.mean((want2 - q3)[[1, 2, 4, 5]]))
+    a3 = np.array([0.0, 1.0, 1.0, 0.0, 2.0, 2.0])
+    by_hand = -np.minimum(s3 * a3, np.clip(s3, lo, hi) * a3).sum()
+    assert tc.forward(unmasked, "gspo").result().metrics["loss:sum"] == pytest.approx(by_hand, rel=1e-4, abs=1e-5)
 
     # the SDK's own custom-loss path (two cross_entropy passes, the second weighted by the loss's gradient)
     custom = tc.forward_backward_custom([datum(tokens)], lambda data, logps: ((-2.0 * logps[0]).sum(), {})).result()

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from learner.train.grpo import clipped_surrogate, exp_ratio
@@ -22,12 +24,13 @@ from learner.train.grpo import clipped_surrogate, exp_ratio
 class Loss:
     """A named loss: the per-token inputs it reads besides target_tokens, the numbers its config may set
     (with their defaults), and fn(logp [N], inputs {name: [N]}, config) -> the loss, a scalar to minimise;
-    `absent`: the value an input takes at every token when a datum does not send it."""
+    `absent`: what an input is when a datum does not send it, a value at every token or one computed from the
+    datum's other inputs."""
 
     inputs: tuple[str, ...]
     config: dict[str, float]
     fn: Callable[[torch.Tensor, dict[str, torch.Tensor], dict[str, float]], torch.Tensor]
-    absent: dict[str, float]
+    absent: dict[str, float | Callable[[dict[str, np.ndarray]], np.ndarray]]
 
 
 LOSSES: dict[str, Loss] = {}
@@ -38,7 +41,7 @@ CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}  # Tinker's defau
 
 
 def loss(
-    name: str, inputs: tuple[str, ...], config: dict[str, float] | None = None, absent: dict[str, float] | None = None
+    name: str, inputs: tuple[str, ...], config: dict[str, float] | None = None, absent: dict[str, Any] | None = None
 ) -> Callable:
     def register(fn: Callable) -> Callable:
         LOSSES[name] = Loss(inputs, dict(config or {}), fn, dict(absent or {}))
@@ -80,7 +83,13 @@ def cispo(logp: torch.Tensor, x: dict[str, torch.Tensor], cfg: dict[str, float])
     return -(weight * x["advantages"] * logp).sum()
 
 
-@loss("gspo", (*RL_INPUTS, "sequence_ratio_mask"), CLIP)
+def _advantaged(inputs: dict[str, np.ndarray]) -> np.ndarray:
+    """gspo's sequence_ratio_mask where a datum sends none (the cookbook's main loop does not): the tokens with an
+    advantage, i.e. the sampled ones (Tinker's own default is not documented)."""
+    return (inputs["advantages"] != 0).astype(np.float32) if "advantages" in inputs else np.zeros(0, np.float32)
+
+
+@loss("gspo", (*RL_INPUTS, "sequence_ratio_mask"), CLIP, absent={"sequence_ratio_mask": _advantaged})
 def gspo(logp: torch.Tensor, x: dict[str, torch.Tensor], cfg: dict[str, float]) -> torch.Tensor:
     """GSPO, token form: every token of a datum carries its sequence's ratio, the geometric mean of the token
     ratios over the tokens `sequence_ratio_mask` marks (M), with the gradient of its own log-probability,

@@ -7,7 +7,7 @@
 A training client's requests carry seq_id (1, 2, ...) and run in seq_id order (learner.serve.futures).
 They are checked when their turn comes, so a refused one still takes its seq_id. All model work runs on one
 thread, one request at a time, the keys taking turns (futures.ModelThread): the learner's device is one.
-A session ends when its client closes it or stops heart-beating for 10 minutes; its models go with it
+A session ends when its client closes it or stops heart-beating for 2 minutes; its models go with it
 (learner.serve.state). Sampling: learner.serve.sampling_routes; checkpoints: learner.serve.checkpoint_routes.
 JSON bodies are checked against the SDK's own pydantic types; the two protobuf ones are in
 learner.serve.wire. A key sees only its own sessions, models and futures (anyone else's are "not found").
@@ -180,13 +180,13 @@ def make_app(options: ServeOptions, make_engine: Callable[[], Engine]) -> Starle
                 out = await handler(svc, key, *args, **request.path_params)
                 return out if isinstance(out, Response) else JSONResponse(out)
             except PermissionError as exc:
-                return JSONResponse({"detail": str(exc)}, status_code=401)
+                return refused(request, 401, str(exc))
             except NotFound as exc:
-                return JSONResponse({"detail": f"{exc} not found"}, status_code=404)
+                return refused(request, 404, f"{exc} not found")
             except RequestError as exc:
-                return JSONResponse({"detail": str(exc)}, status_code=400)
+                return refused(request, 400, str(exc))
             except Busy as exc:
-                return JSONResponse({"detail": str(exc)}, status_code=429)
+                return JSONResponse({"detail": str(exc)}, status_code=429)  # (the SDK retries: not logged)
 
         return Route(path, endpoint, methods=[method])
 
@@ -233,6 +233,12 @@ def make_app(options: ServeOptions, make_engine: Callable[[], Engine]) -> Starle
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.service = svc
     return app
+
+
+def refused(request: Request, status: int, detail: str) -> Response:
+    """The SDK's error shape, logged in one line."""
+    log.info("serve: %d %s: %s", status, request.url.path.removeprefix("/api/v1/"), detail)
+    return JSONResponse({"detail": detail}, status_code=status)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

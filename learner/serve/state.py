@@ -25,7 +25,8 @@ from p2p.messages import Engine
 
 log = logging.getLogger(__name__)
 
-SESSION_TIMEOUT_S = 600.0  # a session not heart-beaten this long is ended (the SDK beats every 10 s)
+SESSION_TIMEOUT_S = 120.0  # a session not heart-beaten this long is ended (the SDK beats every 10 s; scripts
+# such as the cookbook's rl_loop never close theirs, and their models would hold the key's quota)
 
 
 @dataclass

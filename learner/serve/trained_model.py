@@ -132,7 +132,9 @@ class TrainedModel:
             raise RequestError(f"loss_fn_config: clip_low_threshold {low} must be in [0, clip_high_threshold {high}]")
         for datum in request.data:
             for name, value in loss.absent.items():
-                datum.inputs.setdefault(name, np.full(len(datum.tokens), value, np.float32))
+                if name not in datum.inputs:
+                    filled = value(datum.inputs) if callable(value) else np.full(len(datum.tokens), value, np.float32)
+                    datum.inputs[name] = filled
             self._check(datum, ("target_tokens", *loss.inputs))
         self.base.activate(self.name)
         try:
