@@ -315,6 +315,28 @@ def test_tenants_share_a_base_model_and_never_each_others_adapters(base_url):
     assert np.array_equal(alone[1], together[1])
 
 
+def test_requests_drawn_in_one_batch_are_each_drawn_from_the_model(tmp_path):
+    """asample requests queued on one sampler are drawn together in the engine's waves (prompts of different
+    lengths, left-padded): each sample's logprobs are still the model's for its own prompt, each request
+    draws its own samples, and a refused request in the batch fails alone."""
+    from learner.serve.sampler import LocalSampler, SamplerWeights
+
+    sampler = LocalSampler(sampler_engine, str(tmp_path))
+    params = types.SamplingParams(max_tokens=5, temperature=1.0, stop=[])
+    prompts = [[5, 17], [9, 3, 42, 7, 61], [2, 2, 2], [5, 17]]
+    reqs = [types.SampleRequest(prompt=types.ModelInput.from_ints(p), num_samples=2, sampling_params=params)
+            for p in prompts]  # fmt: skip
+    reqs.append(types.SampleRequest(prompt=types.ModelInput.from_ints([10**6]), num_samples=1, sampling_params=params))
+    drawn = sampler.sample_batch(SamplerWeights("tiny", 0, {}), reqs)
+    assert "vocabulary" in str(drawn[-1])
+    for prompt, result in zip(prompts, drawn[:-1], strict=True):
+        assert len(result.samples) == 2
+        for sample in result.samples:
+            want = by_hand_logprobs(prompt + sample.tokens)[len(prompt) - 1 :]
+            assert np.allclose(sample.logprobs, want, atol=1e-4)
+    assert [s.tokens for s in drawn[0].samples] != [s.tokens for s in drawn[3].samples]  # same prompt, own draws
+
+
 def test_api_keys_see_only_their_own_models_and_bad_requests_get_the_sdks_errors(base_url):
     """Key B cannot read key A's model (not found, as if it did not exist); an unknown key is refused;
     a base model the server does not serve, an unknown loss and a token outside the vocabulary are the

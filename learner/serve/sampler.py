@@ -73,21 +73,50 @@ class LocalSampler:
 
     def sample(self, weights: SamplerWeights, req: types.SampleRequest) -> Drawn:
         """Draw `req.num_samples` completions of `req.prompt` from `weights` (on the model thread)."""
+        drawn = self.sample_batch(weights, [req])[0]
+        if isinstance(drawn, RequestError):
+            raise drawn
+        return drawn
+
+    def sample_batch(self, weights: SamplerWeights, reqs: list[types.SampleRequest]) -> list[Drawn | RequestError]:
+        """Draw several requests at once, in the engine's waves (each request its own draws: group = its index):
+        requests batchable() says go together, with the first one's sampling params; a request refused is its
+        RequestError in the list, the others are drawn."""
         loaded = self._load(weights)
-        check_prompt_logprobs(req, loaded.vocab)
-        prompt = req.prompt.to_ints()
-        params, stop_strings = self._params(loaded, req, len(prompt))
-        if any(not 0 <= t < loaded.vocab for t in prompt):
-            raise RequestError(f"asample: the prompt holds a token outside the vocabulary (0 to {loaded.vocab - 1})")
-        engine = loaded.engine
-        batch = int(getattr(engine, "max_batch", 1))
-        requests = [GenerationRequest(prompt, min(batch, req.num_samples - start), completion=start)
-                    for start in range(0, req.num_samples, batch)]  # fmt: skip
-        samples = [c for group in engine.generate(requests, params) for c in group]
-        if stop_strings:
-            samples = [cut_at_stop(c, stop_strings, loaded.tokenizer) for c in samples]
-        scored = self._prompt_logprobs(loaded, prompt, req) if req.prompt_logprobs else None
-        return Drawn(samples, scored)
+        out: list[Drawn | RequestError] = []
+        todo: list[tuple[int, list[int]]] = []  # (index, prompt)
+        for i, req in enumerate(reqs):
+            prompt = req.prompt.to_ints()
+            try:
+                check_prompt_logprobs(req, loaded.vocab)
+                params, stop_strings = self._params(loaded, req, len(prompt))
+                if any(not 0 <= t < loaded.vocab for t in prompt):
+                    raise RequestError(f"asample: the prompt holds a token outside the vocabulary "
+                                       f"(0 to {loaded.vocab - 1})")  # fmt: skip
+            except RequestError as exc:
+                out.append(exc)
+                continue
+            out.append(Drawn([], None))
+            todo.append((i, prompt))
+            if len(todo) == 1:
+                first = (params, stop_strings)
+        if not todo:
+            return out
+        params, stop_strings = first
+        batch = int(getattr(loaded.engine, "max_batch", 1))
+        requests, owner = [], []
+        for i, prompt in todo:
+            n = reqs[i].num_samples
+            for start in range(0, n, batch):
+                requests.append(GenerationRequest(prompt, min(batch, n - start), group=i, completion=start))
+                owner.append(i)
+        for i, group in zip(owner, loaded.engine.generate(requests, params), strict=True):
+            samples = [cut_at_stop(c, stop_strings, loaded.tokenizer) for c in group] if stop_strings else group
+            out[i].samples += samples
+        for i, prompt in todo:
+            if reqs[i].prompt_logprobs:
+                out[i].prompt_logprobs = self._prompt_logprobs(loaded, prompt, reqs[i])
+        return out
 
     def _load(self, weights: SamplerWeights) -> Loaded:
         loaded = self.loaded.get(weights.base_model)
@@ -165,7 +194,7 @@ def check_request(req: types.SampleRequest) -> None:
                            f"{p.temperature}, {p.top_p}")  # fmt: skip
     if p.max_tokens is not None and not 1 <= p.max_tokens <= MAX_NEW_TOKENS:
         raise RequestError(f"asample: max_tokens {p.max_tokens} must be 1 to {MAX_NEW_TOKENS}")
-    if req.num_samples * (n_prompt + (p.max_tokens or 1)) > MAX_REQUEST_TOKENS:
+    if request_tokens(req) > MAX_REQUEST_TOKENS:
         raise RequestError(f"asample: num_samples x (prompt + max_tokens) must stay within {MAX_REQUEST_TOKENS} "
                            "tokens; send fewer samples per request")  # fmt: skip
     if p.top_k not in (-1, 0):
@@ -179,6 +208,20 @@ def check_request(req: types.SampleRequest) -> None:
     last_n = req.prompt_logprobs_last_n
     if last_n is not None and not (req.prompt_logprobs and 1 <= last_n <= n_prompt - 1):
         raise RequestError(f"asample: prompt_logprobs_last_n {last_n} needs prompt_logprobs and 1 to len(prompt) - 1")
+
+
+def batchable(first: types.SampleRequest, other: types.SampleRequest, tokens: int) -> bool:
+    """Whether `other` may be drawn in `first`'s batch (`tokens`: what the batch costs so far): the same
+    sampling params with max_tokens set and no seed, no prompt logprobs, within MAX_REQUEST_TOKENS."""
+    p = first.sampling_params
+    if p.seed is not None or p.max_tokens is None or first.prompt_logprobs or other.prompt_logprobs:
+        return False
+    return other.sampling_params == p and tokens + request_tokens(other) <= MAX_REQUEST_TOKENS
+
+
+def request_tokens(req: types.SampleRequest) -> int:
+    """What a request costs: num_samples x (prompt + max_tokens)."""
+    return req.num_samples * (req.prompt.length + (req.sampling_params.max_tokens or 1))
 
 
 def check_prompt_logprobs(req: types.SampleRequest, vocab: int) -> None:

@@ -15,13 +15,14 @@ found"; its "inflight" samplers share one target, which each inflight save repla
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from tinker import types
 
 from learner.serve.checkpoints import NAME
 from learner.serve.futures import NotFound
-from learner.serve.sampler import SamplerWeights, check_request
+from learner.serve.sampler import Drawn, SamplerWeights, batchable, check_request, request_tokens
 from learner.serve.state import Sampler, Saved, Service
 from learner.serve.wire import RequestError, parse, write_sample_response
 
@@ -90,7 +91,42 @@ async def asample(svc: Service, key: str, body: Any) -> dict:
     else:
         saved = saved_weights(svc, key, req.model_path, req.base_model)
 
-    def draw() -> bytes:  # on the model thread
+    entry = Draw(req)
+    saved.queue.append(entry)
+
+    def draw() -> bytes:  # on the model thread: this request, and those queued after it that can go with it
+        if entry.result is None:
+            draw_batch(svc, saved, entry)
+        if isinstance(entry.result, BaseException):
+            raise entry.result
+        drawn = entry.result
+        return write_sample_response([(c.tokens, c.logprobs, c.finish_reason) for c in drawn.samples],
+                                     drawn.prompt_logprobs)  # fmt: skip
+
+    request_id, start = svc.job(key, draw)
+    start()
+    return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(req.num_samples)]}
+
+
+@dataclass
+class Draw:
+    """An asample request and, once drawn (perhaps in an earlier request's batch), its result."""
+
+    req: types.SampleRequest
+    result: Drawn | BaseException | None = None
+
+
+def draw_batch(svc: Service, saved: Saved, entry: Draw) -> None:
+    """Draw `entry` with the requests queued on the same sampler that batchable() lets go with it (math_rl
+    sends a request per trajectory: drawn together they share the engine's waves), and give each its result."""
+    batch, tokens = [entry], request_tokens(entry.req)
+    for other in list(saved.queue):  # (the event loop only appends to it)
+        if other is not entry and other.result is None and batchable(entry.req, other.req, tokens):
+            batch.append(other)
+            tokens += request_tokens(other.req)
+    for drawn in batch:
+        saved.queue.remove(drawn)
+    try:
         if saved.weights is None and saved.found is not None:
             try:
                 adapters = svc.store.adapters(saved.found)
@@ -99,13 +135,11 @@ async def asample(svc: Service, key: str, body: Any) -> dict:
             saved.weights = SamplerWeights(saved.base_model, saved.found.run.lora_rank, adapters)
         if saved.weights is None:
             raise RequestError("asample: this sampler's weights were never saved (its save_weights_for_sampler failed)")
-        drawn = svc.sampler.sample(saved.weights, req)
-        return write_sample_response([(c.tokens, c.logprobs, c.finish_reason) for c in drawn.samples],
-                                     drawn.prompt_logprobs)  # fmt: skip
-
-    request_id, start = svc.job(key, draw)
-    start()
-    return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(req.num_samples)]}
+        results: list[Any] = svc.sampler.sample_batch(saved.weights, [d.req for d in batch])
+    except Exception as exc:  # noqa: BLE001 - every request of the batch fails with it (logged by its own job)
+        results = [exc] * len(batch)
+    for drawn, result in zip(batch, results, strict=True):
+        drawn.result = result
 
 
 def saved_weights(svc: Service, key: str, model_path: str | None, base_model: str | None) -> Saved:

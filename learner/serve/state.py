@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -197,6 +198,7 @@ class Saved:
     base_model: str
     weights: SamplerWeights | None = None
     found: Found | None = None
+    queue: deque[Any] = field(default_factory=deque)  # its asample requests not drawn yet (sampling_routes.Draw)
 
 
 @dataclass
