@@ -13,6 +13,7 @@ import torch
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
+from learner.serve.futures import NotFound  # noqa: E402
 from learner.serve.losses import LOSSES  # noqa: E402
 from learner.serve.service import ServeOptions, make_app  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
@@ -253,8 +254,9 @@ def test_checkpoints_restore_weights_and_adam_survive_a_restart_and_belong_to_th
         assert np.allclose(logprobs(tc), saved_at, atol=1e-6)
         step(tc)  # the same step from the restored state: Adam's moments came back too
         assert np.allclose(logprobs(tc), after_three, atol=1e-5)
-        with pytest.raises(tinker.RequestFailedError, match="name"):
-            tc.save_state("../escape").result()
+        for bad in ("../escape", "..", ".hidden"):  # (a leading dot would name the store's own temp folders)
+            with pytest.raises(tinker.RequestFailedError, match="name"):
+                tc.save_state(bad).result()
         assert np.allclose(logprobs(tc), after_three, atol=1e-5)  # the refusal kept its seq_id: no gap, no hang
         rest = sc.create_rest_client()
         listed = {c.tinker_path: c.checkpoint_type for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
@@ -337,6 +339,25 @@ def test_requests_drawn_in_one_batch_are_each_drawn_from_the_model(tmp_path):
     assert [s.tokens for s in drawn[0].samples] != [s.tokens for s in drawn[3].samples]  # same prompt, own draws
 
 
+def test_a_checkpoint_swapped_half_way_by_a_crash_is_put_back_at_the_next_start(tmp_path):
+    """A save renames the old checkpoint aside, the new one into place, then deletes the old: a crash between
+    the renames leaves only .NAME.old, which the next start puts back; a leftover .NAME.tmp is removed."""
+    from learner.serve.checkpoints import CheckpointStore, RunInfo
+
+    store = CheckpointStore(tmp_path)
+    run_id = "sess-0123456789abcdef:train:0"
+    store.add_run(run_id, KEY_A, RunInfo("tiny", 2, True), None)
+    path = store.save(KEY_A, run_id, "weights", "a", {"x.lora_A.weight": np.ones((2, 3), np.float32)})
+    final = store.find(KEY_A, path).folder
+    final.rename(final.with_name(".a.old"))  # the crash: the old one aside, the new one never renamed in
+    (final.parent / ".b.tmp").mkdir()
+    store = CheckpointStore(tmp_path)
+    assert store.adapters(store.find(KEY_A, path))["x.lora_A.weight"].sum() == 6.0
+    assert not (final.parent / ".b.tmp").exists()
+    with pytest.raises(NotFound):
+        store.find(KEY_B, path)
+
+
 def test_api_keys_see_only_their_own_models_and_bad_requests_get_the_sdks_errors(base_url):
     """Key B cannot read key A's model (not found, as if it did not exist); an unknown key is refused;
     a base model the server does not serve, an unknown loss and a token outside the vocabulary are the
@@ -392,6 +413,9 @@ def test_a_refused_request_keeps_its_place_and_hostile_bodies_cost_the_server_no
                                  "lora_config": {"rank": 1}}).json() == created.json()  # a retried POST  # fmt: skip
     model_id = created.json()["model_id"]
     assert post("retrieve_future", {"request_id": created.json()["request_id"]}).json()["model_id"] == model_id
+    huge = post("create_model", {"session_id": session, "model_seq_id": 10**10, "base_model": "tiny",
+                                 "lora_config": {"rank": 1}})  # fmt: skip
+    assert huge.status_code == 400 and "model_seq_id" in huge.text
     bad = post("optim_step", {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 5.0}})
     good = post("optim_step", {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 1e-3}})
     assert post("retrieve_future", {"request_id": bad.json()["request_id"]}).json()["category"] == "user"

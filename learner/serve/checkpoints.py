@@ -1,14 +1,16 @@
 """`echo-rl serve`'s checkpoints on disk, so that a restart of the server loses none of them.
 
-    ROOT/RUN/run.json                          what the training run is (base model, LoRA rank, owner)
-    ROOT/RUN/weights/NAME/                     save_state: adapters.safetensors, optimizer.pt, meta.json
-    ROOT/RUN/sampler_weights/NAME/             save_weights_for_sampler(NAME): adapters.safetensors, meta.json
+    ROOT/OWNER/RUN/run.json                    what the training run is (base model, LoRA rank)
+    ROOT/OWNER/RUN/weights/NAME/               save_state: adapters.safetensors, optimizer.pt, meta.json
+    ROOT/OWNER/RUN/sampler_weights/NAME/       save_weights_for_sampler(NAME): adapters.safetensors, meta.json
 
-RUN is the training client's model id (its tinker:// path is tinker://RUN/weights/NAME). The owner is a hash
-of the API key, so a key finds its own checkpoints after a restart and no other key's (anyone else's are "not
-found"). A checkpoint is written to a temporary folder and renamed into place: a crash leaves the old one or
-the new one, never half of one. Paths from clients are matched against RUN_ID and NAME before they touch
-the disk; TTLs are kept (an expired checkpoint is gone at its next lookup).
+RUN is the training client's model id (its tinker:// path is tinker://RUN/weights/NAME). OWNER is a hash of
+the API key, so a key finds its own checkpoints after a restart and no other key's (anyone else's are "not
+found"), and lists only its own folder. A checkpoint is written to a temporary folder (.NAME.tmp), the old
+one renamed aside (.NAME.old), the new one into place, the old one deleted: a crash leaves one of them, and
+the next start puts an orphaned .old back. The swap, deletes and expiry hold one lock (saves run on the model
+thread, deletes on the event loop). Paths from clients are matched against RUN_ID and NAME (no leading dot)
+before they touch the disk; TTLs are kept (an expired checkpoint is gone at its next lookup).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import hashlib
 import json
 import re
 import shutil
+import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -32,7 +35,7 @@ from learner.serve.futures import NotFound
 from learner.serve.wire import RequestError
 
 RUN_ID = re.compile(r"sess-[0-9a-f]{16}:train:\d{1,9}")  # the model ids learner.serve.service makes
-NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")  # no leading dot: ".", "..", and our .tmp/.old
 KINDS = {"weights": "training", "sampler_weights": "sampler"}  # path segment -> the SDK's checkpoint_type
 MAX_CHECKPOINTS_PER_KEY = 256
 
@@ -68,12 +71,21 @@ class CheckpointStore:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
+        self.lock = threading.Lock()
+        for old in self.root.glob("*/*/*/.*.old"):  # a crash between the two renames of a save
+            final = old.with_name(old.name[1:].removesuffix(".old"))
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.rename(final)
+        for tmp in self.root.glob("*/*/*/.*.tmp"):
+            shutil.rmtree(tmp, ignore_errors=True)
 
     # -- runs
 
     def add_run(self, run_id: str, key: str, run: RunInfo, user_metadata: dict | None) -> None:
-        folder = self.root / run_id
-        folder.mkdir(exist_ok=True)
+        folder = self.root / owner_of(key) / run_id
+        folder.mkdir(parents=True, exist_ok=True)
         record = {"owner": owner_of(key), "run": asdict(run), "user_metadata": _strings(user_metadata),
                   "created": time.time()}  # fmt: skip
         _write_json(folder / "run.json", record)
@@ -83,17 +95,15 @@ class CheckpointStore:
         if not RUN_ID.fullmatch(run_id):
             raise NotFound(f"training run {run_id!r}")
         try:
-            record = json.loads((self.root / run_id / "run.json").read_text())
+            return json.loads((self.root / owner_of(key) / run_id / "run.json").read_text())
         except (OSError, ValueError):
             raise NotFound(f"training run {run_id!r}") from None
-        if record.get("owner") != owner_of(key):
-            raise NotFound(f"training run {run_id!r}")
-        return record
 
     def runs(self, key: str) -> list[tuple[str, dict]]:
         """(run id, run.json) of every run of `key`, newest first."""
         out = []
-        for folder in self.root.iterdir():
+        mine = self.root / owner_of(key)
+        for folder in mine.iterdir() if mine.is_dir() else ():
             try:
                 out.append((folder.name, self.run_record(key, folder.name)))
             except NotFound:
@@ -113,7 +123,7 @@ class CheckpointStore:
             raise RequestError(f"checkpoint name {name[:40]!r}: use 1 to 128 letters, digits, . _ or -")
         if ttl_seconds is not None and not 1 <= ttl_seconds <= 10 * 365 * 86400:
             raise RequestError(f"ttl_seconds {ttl_seconds}: 1 s to 10 years, or none (never expires)")
-        final = self.root / run_id / kind / name
+        final = self.root / owner_of(key) / run_id / kind / name
         if final.exists() and not overwrite:
             raise RequestError(f"checkpoint {kind}/{name} exists: pass overwrite=True, or another name")
         if not final.exists() and len(self.checkpoints(key)) >= MAX_CHECKPOINTS_PER_KEY:
@@ -134,9 +144,13 @@ class CheckpointStore:
         except (OSError, RuntimeError) as exc:  # torch reports a full disk as a RuntimeError
             shutil.rmtree(tmp, ignore_errors=True)
             raise OSError(f"could not write checkpoint {final}: {exc}") from None
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        old = final.with_name(f".{name}.old")
+        with self.lock:
+            shutil.rmtree(old, ignore_errors=True)
+            if final.exists():
+                final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
         return f"tinker://{run_id}/{kind}/{name}"
 
     def find(self, key: str, path: str, kind: str | None = None) -> Found:
@@ -147,7 +161,7 @@ class CheckpointStore:
             raise RequestError(f"{path[:80]!r} is not a checkpoint path of this kind ({want})")
         run_id, found_kind, name = parts
         record = self.run_record(key, run_id)
-        folder = self.root / run_id / found_kind / name
+        folder = self.root / owner_of(key) / run_id / found_kind / name
         try:
             meta = json.loads((folder / "meta.json").read_text()) if NAME.fullmatch(name) else None
         except (OSError, ValueError):
@@ -155,7 +169,8 @@ class CheckpointStore:
         if meta is None:
             raise NotFound(f"checkpoint {path!r}")
         if meta.get("expires") and meta["expires"] < time.time():
-            shutil.rmtree(folder, ignore_errors=True)
+            with self.lock:
+                shutil.rmtree(folder, ignore_errors=True)
             raise NotFound(f"checkpoint {path!r} (it expired)")
         return Found(folder, run_id, found_kind, RunInfo(**record["run"]), meta)
 
@@ -171,9 +186,11 @@ class CheckpointStore:
     def checkpoints(self, key: str, run_id: str | None = None) -> list[dict]:
         """The SDK's Checkpoint objects of `key` (of one run), newest first."""
         out = []
+        if run_id is not None:
+            self.run_record(key, run_id)  # (checks the id before it names a folder)
         for rid, _ in [(run_id, None)] if run_id is not None else self.runs(key):
             for kind, kind_name in KINDS.items():
-                for folder in sorted((self.root / rid / kind).glob("[!.]*")):
+                for folder in sorted((self.root / owner_of(key) / rid / kind).glob("[!.]*")):
                     path = f"tinker://{rid}/{kind}/{folder.name}"
                     try:
                         meta = self.find(key, path).meta
@@ -183,7 +200,12 @@ class CheckpointStore:
         return sorted(out, key=lambda c: c["time"], reverse=True)
 
     def delete(self, key: str, path: str) -> None:
-        shutil.rmtree(self.find(key, path).folder)
+        folder = self.find(key, path).folder
+        with self.lock:
+            try:
+                shutil.rmtree(folder)
+            except FileNotFoundError:
+                raise NotFound(f"checkpoint {path!r}") from None
 
 
 def _checkpoint(path: str, kind: str, kind_name: str, name: str, meta: dict) -> dict:

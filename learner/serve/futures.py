@@ -125,6 +125,8 @@ class ModelThread:
                 future.set_result(job())
             except RequestError as exc:
                 future.set_exception(exc)
+            except NotFound as exc:  # (what the job looked up is gone: the client's error too)
+                future.set_exception(RequestError(f"{exc} not found"))
             except Exception as exc:  # noqa: BLE001 - a bug of ours: the client sees a server error, we log it
                 log.exception("serve: a request failed")
                 future.set_exception(exc)

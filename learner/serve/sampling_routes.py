@@ -92,7 +92,6 @@ async def asample(svc: Service, key: str, body: Any) -> dict:
         saved = saved_weights(svc, key, req.model_path, req.base_model)
 
     entry = Draw(req)
-    saved.queue.append(entry)
 
     def draw() -> bytes:  # on the model thread: this request, and those queued after it that can go with it
         if entry.result is None:
@@ -103,12 +102,14 @@ async def asample(svc: Service, key: str, body: Any) -> dict:
         return write_sample_response([(c.tokens, c.logprobs, c.finish_reason) for c in drawn.samples],
                                      drawn.prompt_logprobs)  # fmt: skip
 
-    request_id, start = svc.job(key, draw)
+    request_id, start = svc.job(key, draw)  # (a 429 here queues nothing)
+    with saved.lock:
+        saved.queue.append(entry)
     start()
     return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(req.num_samples)]}
 
 
-@dataclass
+@dataclass(eq=False)
 class Draw:
     """An asample request and, once drawn (perhaps in an earlier request's batch), its result."""
 
@@ -120,12 +121,13 @@ def draw_batch(svc: Service, saved: Saved, entry: Draw) -> None:
     """Draw `entry` with the requests queued on the same sampler that batchable() lets go with it (math_rl
     sends a request per trajectory: drawn together they share the engine's waves), and give each its result."""
     batch, tokens = [entry], request_tokens(entry.req)
-    for other in list(saved.queue):  # (the event loop only appends to it)
-        if other is not entry and other.result is None and batchable(entry.req, other.req, tokens):
-            batch.append(other)
-            tokens += request_tokens(other.req)
-    for drawn in batch:
-        saved.queue.remove(drawn)
+    with saved.lock:  # (the event loop appends to the queue)
+        for other in saved.queue:
+            if other is not entry and batchable(entry.req, other.req, tokens):
+                batch.append(other)
+                tokens += request_tokens(other.req)
+        for drawn in batch:
+            saved.queue.remove(drawn)
     try:
         if saved.weights is None and saved.found is not None:
             try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -153,6 +154,8 @@ class Service:
         """A new training client `SESSION:train:SEQ` of `run` (`restore` then fills it from a checkpoint): its
         slot now, its model built on the model thread; the job's request id."""
         self.session(key, session_id)
+        if not 0 <= model_seq_id < 10**9:
+            raise RequestError(f"model_seq_id {model_seq_id} must be 0 to 999999999")
         model_id = f"{session_id}:train:{model_seq_id}"
         if model_id in self.slots:
             raise RequestError(f"model {model_id} exists: the SDK numbers a session's models, each once")
@@ -199,6 +202,7 @@ class Saved:
     weights: SamplerWeights | None = None
     found: Found | None = None
     queue: deque[Any] = field(default_factory=deque)  # its asample requests not drawn yet (sampling_routes.Draw)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # the queue's (event loop and model thread)
 
 
 @dataclass

@@ -69,9 +69,12 @@ class SharedBase:
             self.active = name
 
     def remove(self, name: str) -> None:
-        for layer in self.layers:
-            if name in layer.lora_A:
-                layer.delete_adapter(name)
+        with warnings.catch_warnings():  # (peft warns when the adapter removed is the active one)
+            warnings.simplefilter("ignore")
+            for layer in self.layers:
+                if name in layer.lora_A:
+                    layer.delete_adapter(name)
+        getattr(self.model, "peft_config", {}).pop(name, None)
         self.active = None
 
 
@@ -111,6 +114,8 @@ class TrainedModel:
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(torch.from_numpy(adapters[name]))
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)  # fresh: a gradient or moments from before
+        self.optimizer.zero_grad(set_to_none=True)  # the load would apply to the loaded weights
         if optimizer is not None:
             try:
                 self.optimizer.load_state_dict(optimizer)
