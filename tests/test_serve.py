@@ -339,6 +339,23 @@ def test_requests_drawn_in_one_batch_are_each_drawn_from_the_model(tmp_path):
     assert [s.tokens for s in drawn[0].samples] != [s.tokens for s in drawn[3].samples]  # same prompt, own draws
 
 
+@pytest.mark.parametrize("flush", [False, True])
+def test_a_subnormal_temperature_is_refused_even_under_flush_to_zero(flush):
+    """The learner's process runs with flush-to-zero, under which 1e-310 compares equal to 0 (greedy): it is
+    refused from its bits either way (found when xdist ran this after a learner test)."""
+    from learner.serve.sampler import check_request
+    from learner.serve.wire import RequestError
+
+    req = types.SampleRequest(prompt=types.ModelInput.from_ints([1, 2]), num_samples=1,
+                              sampling_params=types.SamplingParams(max_tokens=4, temperature=1e-310))  # fmt: skip
+    torch.set_flush_denormal(flush)
+    try:
+        with pytest.raises(RequestError, match="temperature"):
+            check_request(req)
+    finally:
+        torch.set_flush_denormal(False)
+
+
 def test_a_checkpoint_swapped_half_way_by_a_crash_is_put_back_at_the_next_start(tmp_path):
     """A save renames the old checkpoint aside, the new one into place, then deletes the old: a crash between
     the renames leaves only .NAME.old, which the next start puts back; a leftover .NAME.tmp is removed."""

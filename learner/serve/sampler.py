@@ -27,7 +27,7 @@ from tinker import types
 from learner.serve.wire import RequestError
 from learner.train.models import load_policy, model_spec
 from learner.train.wire_weights import wire_tensors
-from p2p.messages import Completion, Engine, GenerationRequest, ModelSpec, SamplingParams
+from p2p.messages import Completion, Engine, GenerationRequest, ModelSpec, SamplingParams, subnormal
 
 MAX_SAMPLES = 256  # num_samples of one request
 MAX_NEW_TOKENS = 8192  # max_tokens of one request
@@ -188,7 +188,9 @@ def check_request(req: types.SampleRequest) -> None:
         raise RequestError(f"asample: the prompt has {n_prompt} tokens; send 1 or more")
     if not 1 <= req.num_samples <= MAX_SAMPLES:
         raise RequestError(f"asample: num_samples {req.num_samples} must be 1 to {MAX_SAMPLES}")
-    temperature_ok = p.temperature == 0 or (math.isfinite(p.temperature) and 1e-6 <= p.temperature <= 100)
+    # (from the bits first: under the learner's flush-to-zero a subnormal temperature compares equal to 0)
+    temperature_ok = not subnormal(p.temperature) and (
+        p.temperature == 0 or (math.isfinite(p.temperature) and 1e-6 <= p.temperature <= 100))  # fmt: skip
     if not (temperature_ok and math.isfinite(p.top_p) and 0 < p.top_p <= 1):
         raise RequestError(f"asample: temperature must be 0 (greedy) or 1e-6 to 100, top_p in (0, 1]; got "
                            f"{p.temperature}, {p.top_p}")  # fmt: skip
