@@ -2,6 +2,7 @@
 
 import contextlib
 import socket
+import struct
 import threading
 import time
 
@@ -346,8 +347,9 @@ def test_a_subnormal_temperature_is_refused_even_under_flush_to_zero(flush):
     from learner.serve.sampler import check_request
     from learner.serve.wire import RequestError
 
-    req = types.SampleRequest(prompt=types.ModelInput.from_ints([1, 2]), num_samples=1,
-                              sampling_params=types.SamplingParams(max_tokens=4, temperature=1e-310))  # fmt: skip
+    tiny = struct.unpack("<d", struct.pack("<Q", 1 << 40))[0]  # about 5e-312, made from bits: a literal would be
+    req = types.SampleRequest(prompt=types.ModelInput.from_ints([1, 2]), num_samples=1,  # parsed as 0 under FTZ
+                              sampling_params=types.SamplingParams(max_tokens=4, temperature=tiny))  # fmt: skip
     torch.set_flush_denormal(flush)
     try:
         with pytest.raises(RequestError, match="temperature"):
