@@ -115,8 +115,8 @@ def is_adapter(name: str) -> bool:
 class SamplingParams:
     """How to sample completions: temperature (0: greedy, for evaluation), nucleus top_p, a token budget, a seed;
     what else ends a completion: `stop_ids`, tokens besides the model's end-of-turn ones (an empty set: none
-    at all, only the budget), and `stop_when(tokens so far)` (e.g. a stop string in their text). Neither
-    travels in a lease."""
+    at all, only the budget; a lease carries a non-empty set), and `stop_when(tokens so far)` (e.g. a stop
+    string in their text; never in a lease)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -427,6 +427,7 @@ def _map(msg: object, key: str) -> dict:
 # format's tool fields), 4 fetches a version's chunks from the learner by claims (the learner picks which), 3
 # sends a spec's vocabulary zstd-compressed, 2 added model families (ModelSpec.hf_config), 1 had none
 PROTOCOL = 5
+MAX_STOP_IDS = 64  # a lease's stop tokens besides end of turn (`echo-rl serve`'s requests bring theirs)
 UPGRADE = "pip install -U echo-rl, or git pull && ./scripts/setup.sh in a checkout"
 
 
@@ -539,7 +540,7 @@ class LeaseGrant:
             ],
             "group_size": next((r.group_size for r in self.requests if not r.greedy), 1),
             "params": {"temperature": p.temperature, "top_p": p.top_p, "max_new_tokens": p.max_new_tokens,
-                       "seed": p.seed},
+                       "seed": p.seed} | ({"stop_ids": sorted(p.stop_ids)} if p.stop_ids else {}),
             "min_version": self.min_version,
             "deadline_s": self.deadline_s,
         }  # fmt: skip
@@ -561,9 +562,11 @@ class LeaseGrant:
                                               _int(g, "group", 0, 2**63 - 1), greedy, completion,
                                               episode=episode))  # fmt: skip
         p = _map(msg.get("params"), "params")
+        stop_ids = _ints(p["stop_ids"], "stop_ids", MAX_STOP_IDS) if "stop_ids" in p else None
         params = SamplingParams(
             _float(p, "temperature", 1e-6, 100.0), _float(p, "top_p", 1e-6, 1.0),
             _int(p, "max_new_tokens", 1, 1 << 20), _int(p, "seed", 0, 2**64 - 1),
+            frozenset(stop_ids) if stop_ids else None,
         )  # fmt: skip
         return cls(_int(msg, "id", 0, 2**64 - 1), requests, params, _int(msg, "min_version", 0, MAX_VERSION),
                    _float(msg, "deadline_s", 0.0, 1e7))  # fmt: skip

@@ -23,13 +23,14 @@ KEY_A, KEY_B = "tml-test-key-aaaaaaaa", "tml-test-key-bbbbbbbb"
 
 
 @contextlib.contextmanager
-def serving(options: ServeOptions):
-    """`make_app(options)` under uvicorn on a loopback port: yields its base URL."""
+def serving(options: ServeOptions, app=None):
+    """`app` (default: `make_app(options)`) under uvicorn on a loopback port: yields its base URL."""
     import uvicorn
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(make_app(options, sampler_engine), log_level="warning"))
+    app = make_app(options, sampler_engine) if app is None else app
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     for _ in range(100):

@@ -261,9 +261,13 @@ class RolloutVerifier:
         """Whether to verify this group of `worker`: an independent draw from the OS's randomness."""
         return self._rng.random() < self.share(worker)
 
-    def measure(self, version: int, seed: int, group_id: int, group: list[Rollout]) -> Replay | None:
+    def measure(
+        self, version: int, seed: int, group_id: int, group: list[Rollout], params: tuple[float, float] | None = None
+    ) -> Replay | None:
         """Replay a group's sampling (its lease's `seed`, its id, its completions in order) under version
-        `version`, or None if that version is no longer kept."""
+        `version`, or None if that version is no longer kept. `params`: the lease's (temperature, top_p),
+        where they are not the run's (`echo-rl serve`'s requests each bring theirs)."""
+        temperature, top_p = params or (self.temperature, self.top_p)
         with self._lock:
             if version not in self.versions:
                 return None
@@ -271,18 +275,21 @@ class RolloutVerifier:
             self._load_locked(version)
             with torch.no_grad():
                 recomputed, misses = replay_sampling(
-                    self._model, group, self.temperature, self.top_p, group_draws(seed, group_id, group)
+                    self._model, group, temperature, top_p, group_draws(seed, group_id, group)
                 )
             self.replays += 1
             self.replay_s += time.perf_counter() - tick
         d = divergence([lp for r in group for lp in sampled_logprobs(r)], recomputed)
         return Replay(d, draw_miss(misses), off_draw(misses))
 
-    def check(self, worker: str, version: int, seed: int, group_id: int, group: list[Rollout]) -> Replay | None:
+    def check(
+        self, worker: str, version: int, seed: int, group_id: int, group: list[Rollout],
+        params: tuple[float, float] | None = None,
+    ) -> Replay | None:  # fmt: skip
         """measure() a group of `worker` and flag the worker when d > tolerance, a token's draw misses its
         interval by more than draw_tolerance, or more than off_draw_tolerance of its tokens are off their
         draws. None if the version is no longer kept."""
-        replay = self.measure(version, seed, group_id, group)
+        replay = self.measure(version, seed, group_id, group, params)
         if replay is None:
             return None
         d, m, o = replay.divergence, replay.draw_miss, replay.off_draw

@@ -32,6 +32,13 @@ class ServeConfig:
     max_models_per_key: int = 4
     """Training clients one API key may hold at once (each its adapters and AdamW state; the base is shared)."""
 
+    swarm_listen: str = ""
+    """Multiaddr where workers join to draw samples (e.g. /ip4/0.0.0.0/tcp/4001; "": all drawn here)."""
+    swarm_dir: str = "~/.local/share/echo-rl/serve-swarm"
+    """The swarm side's identity, address file (learner.addr, for `worker join`) and version chunks."""
+    swarm_secret_file: str = ""
+    """File holding the swarm secret (`echo-rl secret`): only workers proving it sample ("": any worker)."""
+
     sampler_threads: int = 2
     """CPU threads the sampler uses (transformers engine, on `device`)."""
     sampler_max_batch: int = 32

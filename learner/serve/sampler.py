@@ -89,10 +89,7 @@ class LocalSampler:
             prompt = req.prompt.to_ints()
             try:
                 check_prompt_logprobs(req, loaded.vocab)
-                params, stop_strings = self._params(loaded, req, len(prompt))
-                if any(not 0 <= t < loaded.vocab for t in prompt):
-                    raise RequestError(f"asample: the prompt holds a token outside the vocabulary "
-                                       f"(0 to {loaded.vocab - 1})")  # fmt: skip
+                params, stop_strings = request_params(req, prompt, loaded.context, loaded.vocab, loaded.tokenizer)
             except RequestError as exc:
                 out.append(exc)
                 continue
@@ -136,30 +133,6 @@ class LocalSampler:
         return loaded
 
     @staticmethod
-    def _params(loaded: Loaded, req: types.SampleRequest, prompt_len: int) -> tuple[SamplingParams, list[str]]:
-        p = req.sampling_params
-        room = loaded.context - prompt_len
-        most = min(MAX_NEW_TOKENS, room, MAX_REQUEST_TOKENS // req.num_samples - prompt_len)
-        max_tokens = most if p.max_tokens is None else p.max_tokens
-        if not 1 <= max_tokens <= most:
-            raise RequestError(f"asample: max_tokens {max_tokens} must be 1 to {most} (the model's context "
-                               f"is {loaded.context} tokens, the prompt {prompt_len})")  # fmt: skip
-        stop, stop_ids, stop_strings = p.stop, None, []
-        if isinstance(stop, str):
-            stop_strings = [stop]
-        elif stop is not None and all(isinstance(s, str) for s in stop):
-            stop_strings = list(stop)  # (an empty list lands in the next case: no stop at all, not even EOS)
-        if stop is not None and all(isinstance(s, int) for s in stop) and not isinstance(stop, str):
-            if any(not 0 <= s < loaded.vocab for s in stop):
-                raise RequestError(f"asample: a stop token is outside the vocabulary (0 to {loaded.vocab - 1})")
-            stop_ids = frozenset(stop)
-        if any(not s for s in stop_strings):
-            raise RequestError("asample: an empty stop string")
-        seed = secrets.randbelow(1 << 63) if p.seed is None else p.seed
-        stop_when = stop_text_check(stop_strings, loaded.tokenizer) if stop_strings else None
-        return SamplingParams(p.temperature, p.top_p, max_tokens, seed, stop_ids, stop_when), stop_strings
-
-    @staticmethod
     def _prompt_logprobs(loaded: Loaded, prompt: list[int], req: types.SampleRequest) -> list[float]:
         """log p(prompt[i] | prompt[:i]) for i >= 1 (NaN at 0, and before the last `prompt_logprobs_last_n`)."""
         logits = loaded.engine.logits(prompt)  # [P, V]; position i predicts token i + 1
@@ -171,6 +144,36 @@ class LocalSampler:
             out += (z[np.arange(len(z)), targets] - np.log(np.exp(z).sum(axis=1))).tolist()
         n = req.prompt_logprobs_last_n
         return out if n is None else [math.nan] * (len(out) - n) + out[len(out) - n :]
+
+
+def request_params(
+    req: types.SampleRequest, prompt: list[int], context: int, vocab: int, tokenizer: Any
+) -> tuple[SamplingParams, list[str]]:
+    """What the engine draws `req` with, and its stop strings (cut_at_stop), checked against a model whose
+    context and vocabulary are `context` and `vocab` tokens."""
+    p = req.sampling_params
+    if any(not 0 <= t < vocab for t in prompt):
+        raise RequestError(f"asample: the prompt holds a token outside the vocabulary (0 to {vocab - 1})")
+    room = context - len(prompt)
+    most = min(MAX_NEW_TOKENS, room, MAX_REQUEST_TOKENS // req.num_samples - len(prompt))
+    max_tokens = most if p.max_tokens is None else p.max_tokens
+    if not 1 <= max_tokens <= most:
+        raise RequestError(f"asample: max_tokens {max_tokens} must be 1 to {most} (the model's context "
+                           f"is {context} tokens, the prompt {len(prompt)})")  # fmt: skip
+    stop, stop_ids, stop_strings = p.stop, None, []
+    if isinstance(stop, str):
+        stop_strings = [stop]
+    elif stop is not None and all(isinstance(s, str) for s in stop):
+        stop_strings = list(stop)  # (an empty list lands in the next case: no stop at all, not even EOS)
+    if stop is not None and all(isinstance(s, int) for s in stop) and not isinstance(stop, str):
+        if any(not 0 <= s < vocab for s in stop):
+            raise RequestError(f"asample: a stop token is outside the vocabulary (0 to {vocab - 1})")
+        stop_ids = frozenset(stop)
+    if any(not s for s in stop_strings):
+        raise RequestError("asample: an empty stop string")
+    seed = secrets.randbelow(1 << 63) if p.seed is None else p.seed
+    stop_when = stop_text_check(stop_strings, tokenizer) if stop_strings else None
+    return SamplingParams(p.temperature, p.top_p, max_tokens, seed, stop_ids, stop_when), stop_strings
 
 
 def check_request(req: types.SampleRequest) -> None:

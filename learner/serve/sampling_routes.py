@@ -3,7 +3,9 @@
     save_weights_for_sampler(model, path)   ->  future: {"path": tinker://MODEL/sampler_weights/PATH}
     save_weights_for_sampler(model, seq)    ->  future: {"sampling_session_id"} (what the cookbook's loops use)
     create_sampling_session(path or base)   ->  {"sampling_session_id"};  GET samplers/{id} says what it samples
-    asample(session, prompt, params)        ->  future: a SampleResponse (protobuf), with one id per sample
+    asample(session, prompt, params)        ->  future: a SampleResponse (protobuf), with one id per sample:
+                                            drawn by swarm workers (learner.serve.swarm, where joined) or
+                                            here, with the requests queued beside it (draw_batch)
 
 A save runs in its training client's seq_id order and copies the adapters as they are at that point: a named
 one to the checkpoint store (learner.serve.checkpoints: it outlives the session and the server), an unnamed one
@@ -15,6 +17,7 @@ found"; its "inflight" samplers share one target, which each inflight save repla
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +94,28 @@ async def asample(svc: Service, key: str, body: Any) -> dict:
     else:
         saved = saved_weights(svc, key, req.model_path, req.base_model)
 
+    request_id, future = svc.futures.submit(key)  # (a 429 here queues nothing)
+
+    def here() -> None:
+        sample_here(svc, key, saved, req, future)
+
+    def answer(drawn: Drawn) -> None:  # (from a swarm handler's thread: the samples a worker drew, verified)
+        if not future.done():
+            future.set_result(sample_response(drawn))
+
+    try:
+        by_workers = svc.swarm is not None and saved.weights is not None and svc.swarm.submit(
+            saved.weights, req, answer, here)  # fmt: skip
+    except RequestError as exc:  # (the future's error, as where the request is sampled here)
+        future.set_exception(exc)
+        by_workers = True
+    if not by_workers:
+        here()
+    return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(req.num_samples)]}
+
+
+def sample_here(svc: Service, key: str, saved: Saved, req: types.SampleRequest, future: Future) -> None:
+    """Queue `req` for the local sampler, on the model thread (draw_batch: with the requests that can go with it)."""
     entry = Draw(req)
 
     def draw() -> bytes:  # on the model thread: this request, and those queued after it that can go with it
@@ -98,15 +123,16 @@ async def asample(svc: Service, key: str, body: Any) -> dict:
             draw_batch(svc, saved, entry)
         if isinstance(entry.result, BaseException):
             raise entry.result
-        drawn = entry.result
-        return write_sample_response([(c.tokens, c.logprobs, c.finish_reason) for c in drawn.samples],
-                                     drawn.prompt_logprobs)  # fmt: skip
+        return sample_response(entry.result)
 
-    request_id, start = svc.job(key, draw)  # (a 429 here queues nothing)
     with saved.lock:
         saved.queue.append(entry)
-    start()
-    return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(req.num_samples)]}
+    svc.thread.run(key, future, draw)
+
+
+def sample_response(drawn: Drawn) -> bytes:
+    return write_sample_response([(c.tokens, c.logprobs, c.finish_reason) for c in drawn.samples],
+                                 drawn.prompt_logprobs)  # fmt: skip
 
 
 @dataclass(eq=False)

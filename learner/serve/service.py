@@ -228,6 +228,8 @@ def make_app(options: ServeOptions, make_engine: Callable[[], Engine]) -> Starle
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
+        if svc.swarm is not None:
+            svc.swarm.close()
         svc.thread.close()  # queued jobs are dropped on the way out (their clients see the server gone)
 
     app = Starlette(routes=routes, lifespan=lifespan)

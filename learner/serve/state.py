@@ -21,8 +21,10 @@ from starlette.requests import Request
 from learner.serve.checkpoints import CheckpointStore, Found, RunInfo
 from learner.serve.futures import Futures, ModelThread, NotFound, Ordered
 from learner.serve.sampler import LocalSampler, SamplerWeights
+from learner.serve.swarm import SwarmSampler
 from learner.serve.trained_model import SharedBase, TrainedModel
 from learner.serve.wire import RequestError
+from learner.train.devices import resolve_device
 from p2p.messages import Engine
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,9 @@ class ServeOptions:
     api_keys: frozenset[str]
     checkpoint_dir: str  # where save_state and named sampler weights are kept (learner.serve.checkpoints)
     max_models_per_key: int = 4
+    swarm_listen: str = ""  # where workers join to sample (learner.serve.swarm); "": every sample is drawn here
+    swarm_dir: str = ""  # the swarm side's identity, its address file (learner.addr) and its chunks
+    swarm_secret: bytes | None = None  # only workers proving it sample (p2p.auth)
 
 
 @dataclass
@@ -86,6 +91,11 @@ class Service:
         self.store = CheckpointStore(options.checkpoint_dir)
         self.shared: dict[str, SharedBase] = {}  # base model -> the copy its training clients share (model thread)
         self._bases: dict[str, SamplerWeights] = {}
+        self.swarm: SwarmSampler | None = None  # workers sampling the first served model, where they may join
+        if options.swarm_listen:
+            device = str(resolve_device(options.device))
+            self.swarm = SwarmSampler(options.models[0], options.cache_dir, options.swarm_listen, options.swarm_dir,
+                                      device, options.swarm_secret)  # fmt: skip
 
     def base_weights(self, base_model: str) -> SamplerWeights:
         """A base model itself, for samplers made from it (one object: the engine need not swap between them)."""

@@ -1,0 +1,191 @@
+"""tinker-cookbook's rl_loop, unmodified, against `echo-rl serve` with its samples drawn by `worker join` processes.
+
+    .venv/bin/python scripts/bench_cookbook_swarm.py --steps 30 [--workers 2] [--kill-worker-at 10] [--json]
+
+In --work (default /tmp/echo-cookbook-swarm) it sets up what the recipe needs offline: tinker-cookbook 0.6.1 in its
+own venv on top of this checkout's .venv (kept in ~/.cache/echo-rl/cookbook-venv), SmolLM2 (the bundled model)
+linked as `meta-llama/Llama-3.2-1B` (rl_loop takes only models its model_info knows; that name picks the
+role_colon renderer), and a local `openai/gsm8k` dataset folder of one-digit additions (rl_loop loads that
+dataset by name, and `datasets` takes a local folder of that name first): the recipe's data, swapped through
+its own loader. Then it starts `echo-rl serve --swarm-listen`, the workers (transformers engine), and the recipe
+(`python -m tinker_cookbook.recipes.rl_loop`), kills a worker once --kill-worker-at steps are done, and prints
+the reward of every step and how many sample requests the workers drew (the rest were drawn by serve itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ECHO = [sys.executable, "-m", "echo_cli"]
+COOKBOOK = "tinker-cookbook==0.6.1"
+COOKBOOK_IMPORTS = ["chz", "termcolor", "pylatexenc", "cloudpickle", "blobfile", "lxml", "pycryptodomex"]
+KEY = "tml-cookbook-swarm-bench-key"
+ALIAS = "meta-llama/Llama-3.2-1B"
+
+
+def cookbook_python() -> Path:
+    """A venv holding tinker-cookbook and what it imports, over this checkout's .venv (a .pth file)."""
+    venv = Path("~/.cache/echo-rl/cookbook-venv").expanduser()
+    python = venv / "bin" / "python"
+    if not (venv / "ok").exists():
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                              check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+        ours = subprocess.run([sys.executable, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                              check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+        Path(site, "zz_echo_rl.pth").write_text(ours + "\n")
+        pip = [str(python), "-m", "pip", "install", "-q", "--no-deps"]
+        subprocess.run([*pip, COOKBOOK, *COOKBOOK_IMPORTS], check=True)
+        (venv / "ok").touch()
+    return python
+
+
+def additions(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        rows.append({"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"})
+    return rows
+
+
+def prepare(work: Path) -> None:
+    """The model alias and the local dataset folder, in `work` (the recipe's working directory)."""
+    sys.path.insert(0, str(ROOT))
+    from learner.train.models import load_policy
+
+    load_policy("smollm2-135m", "~/.cache/echo-rl")  # makes the bundled model's HF folder if missing
+    alias = work / ALIAS
+    alias.parent.mkdir(parents=True, exist_ok=True)
+    if not alias.exists():
+        alias.symlink_to(Path("~/.cache/echo-rl/smollm2-135m").expanduser())
+    data = work / "openai" / "gsm8k"
+    (data / "main").mkdir(parents=True, exist_ok=True)
+    for split, n, seed in (("train", 4096, 0), ("test", 256, 1)):
+        (data / "main" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in additions(n, seed)))
+    (data / "README.md").write_text(
+        "---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: main/train.jsonl\n"
+        "  - split: test\n    path: main/test.jsonl\n---\n"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(check, seconds: float, what: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if process.poll() is not None:
+            raise SystemExit(f"{what}: the process exited with {process.returncode} (see its log)")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{what}: not within {seconds:.0f} s")
+        time.sleep(0.5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--kill-worker-at", type=int, default=0, help="steps done when the last worker is killed")
+    parser.add_argument("--batch-size", type=int, default=8, help="rl_loop's prompts per step")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--work", default="/tmp/echo-cookbook-swarm")
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = parser.parse_args()
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    python = cookbook_python()
+    prepare(work)
+    (work / "keys").write_text(KEY + "\n")
+    run = work / f"run-{int(time.time())}"
+    port, swarm_dir = free_port(), work / "swarm"
+    (swarm_dir / "learner.addr").unlink(missing_ok=True)
+    env = {**os.environ, "COLUMNS": "160"}
+    serve_cmd = ECHO + ["serve", "--port", str(port), "--models", ALIAS, "--device", "cpu", "--api-key-file",
+                        str(work / "keys"), "--checkpoint-dir", str(work / "checkpoints"), "--swarm-listen",
+                        "/ip4/127.0.0.1/tcp/0", "--swarm-dir", str(swarm_dir), "--sampler-threads", "1"]  # fmt: skip
+    processes: list[subprocess.Popen] = []
+    try:
+        serve = subprocess.Popen(serve_cmd, cwd=work, stdout=open(work / "serve.log", "w"), stderr=subprocess.STDOUT,
+                                 env=env)  # fmt: skip
+        processes.append(serve)
+        wait_for(lambda: (swarm_dir / "learner.addr").exists(), 300, "serve's swarm address", serve)
+        addr = (swarm_dir / "learner.addr").read_text().strip()
+        workers = []
+        for k in range(1, args.workers + 1):
+            cmd = ECHO + ["worker", "join", "--learner", addr, "--engine", "transformers", "--threads", "1",
+                          "--max-batch", "8", "--identity", str(work / f"w{k}.key"), "--work-dir", str(work / f"w{k}")]
+            log = open(work / f"worker-{k}.log", "w")  # noqa: SIM115 - as long as the worker
+            workers.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env))
+        processes += workers
+        for k, w in enumerate(workers, 1):
+            wait_for(lambda k=k: "now on v0" in (work / f"worker-{k}.log").read_text(), 300, f"worker {k}", w)
+        cookbook_env = {**env, "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1",
+                        "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(work / "hf_home")}
+        recipe = [str(python), "-m", "tinker_cookbook.recipes.rl_loop", f"model_name={ALIAS}",
+                  f"base_url=http://127.0.0.1:{port}", f"log_path={run}", f"batch_size={args.batch_size}",
+                  f"group_size={args.group_size}", f"max_tokens={args.max_tokens}", f"max_steps={args.steps}",
+                  "lora_rank=16", f"learning_rate={args.learning_rate}", "loss_fn=importance_sampling",
+                  "save_every=0"]  # fmt: skip
+        tick = time.monotonic()
+        loop = subprocess.Popen(recipe, cwd=work, stdout=open(work / "rl_loop.log", "w"), stderr=subprocess.STDOUT,
+                                env=cookbook_env)  # fmt: skip
+        processes.append(loop)
+        killed = None
+        while loop.poll() is None:
+            done = len((run / "metrics.jsonl").read_text().splitlines()) if (run / "metrics.jsonl").exists() else 0
+            if args.kill_worker_at and killed is None and done >= args.kill_worker_at:
+                workers[-1].send_signal(signal.SIGKILL)
+                killed = done
+                print(f"killed worker {len(workers)} after step {done}", file=sys.stderr)
+            time.sleep(1.0)
+        seconds = time.monotonic() - tick
+        if loop.returncode != 0:
+            raise SystemExit(f"rl_loop exited with {loop.returncode}: see {work / 'rl_loop.log'}")
+    finally:
+        for p in reversed(processes):
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in reversed(processes):
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rewards = [round(s["reward/total"], 4) for s in steps]
+    served = [line for line in (work / "serve.log").read_text().splitlines() if "workers drew" in line]
+    leases = [int(line.split("after ")[1].split()[0]) for k in range(1, args.workers + 1)
+              for line in (work / f"worker-{k}.log").read_text().splitlines() if "worker left after" in line]
+    fifth = max(1, len(rewards) // 5)
+    out = {
+        "steps": len(steps), "seconds": round(seconds, 1), "rewards": rewards,
+        "first_fifth": round(sum(rewards[:fifth]) / fifth, 4), "last_fifth": round(sum(rewards[-fifth:]) / fifth, 4),
+        "killed_after_step": killed, "worker_leases": leases, "serve": served[-1] if served else None, "run": str(run),
+    }  # fmt: skip
+    if args.json:
+        print(json.dumps(out))
+        return
+    for s, r in enumerate(rewards):
+        print(f"step {s:3d}  reward {r:.3f}")
+    print(f"{len(steps)} steps in {seconds:.0f} s; reward {out['first_fifth']:.3f} (first fifth of the steps) -> "
+          f"{out['last_fifth']:.3f} (last fifth); leases per worker {leases}; {out['serve']}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

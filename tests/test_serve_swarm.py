@@ -1,0 +1,221 @@
+"""`echo-rl serve --swarm-listen`: asample requests drawn by swarm workers, verified (learner/serve/swarm.py).
+
+One test runs the real thing (the SDK, a `worker join` process); the others call the swarm side's handlers as
+a worker would, with completions an in-process engine drew honestly, then forged."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+from learner.serve import swarm as swarm_module  # noqa: E402
+from learner.serve.sampler import SamplerWeights  # noqa: E402
+from learner.serve.service import ServeOptions, make_app  # noqa: E402
+from learner.serve.swarm import SwarmSampler  # noqa: E402
+from p2p.host import BadRequest, Misbehaviour  # noqa: E402
+from p2p.messages import (  # noqa: E402
+    GroupSubmission,
+    Heartbeat,
+    LeaseReply,
+    LeaseRequest,
+    RolloutSubmission,
+    SpecRequest,
+)
+from p2p.weights import to_float32  # noqa: E402
+from tests.test_serve import KEY_A, by_hand_tokenizer, client, datum, sampler_engine, serving  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def join_worker(addr: str, folder, name: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "echo_cli", "worker", "join", "--learner", addr, "--engine", "transformers",
+           "--threads", "1", "--max-batch", "4", "--identity", str(folder / f"{name}.key"),
+           "--work-dir", str(folder / name)]  # fmt: skip
+    log = open(folder / f"{name}.log", "w")  # noqa: SIM115 - as long as the worker
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "120"})
+
+
+def wait_for(check, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, f"{what} within {seconds} s"
+        time.sleep(0.2)
+
+
+def test_a_joined_worker_draws_the_samples_a_tinker_client_asks_for(tmp_path):
+    """With a worker joined, a trained client's samples come from the worker (verified by replay): their
+    logprobs are the training client's forward on the same tokens; stop tokens and stop strings end them where
+    they first appear; greedy requests are drawn here. The worker killed, requests are drawn here again."""
+    options = ServeOptions(("tiny",), str(tmp_path / "cache"), "cpu", frozenset({KEY_A}), str(tmp_path / "ckpt"), 3,
+                           "/ip4/127.0.0.1/tcp/0", str(tmp_path / "swarm"))  # fmt: skip
+    app = make_app(options, sampler_engine)
+    swarm: SwarmSampler = app.state.service.swarm
+    worker = join_worker((tmp_path / "swarm" / "learner.addr").read_text().strip(), tmp_path, "w1")
+    try:
+        with serving(options, app) as url:
+            wait_for(lambda: any(w.version >= 0 for w in swarm.workers.values()), 120, "the worker holds v0")
+            tc = client(url).create_lora_training_client(base_model="tiny", rank=4).result()
+            tokens = [5, 17, 99, 3, 42, 7, 61]
+            for _ in range(2):
+                tc.forward_backward([datum(tokens)], "cross_entropy")
+                tc.optim_step(types.AdamParams(learning_rate=0.05))
+            sampler = tc.save_weights_and_get_sampling_client().result()
+            prompt = types.ModelInput.from_ints(tokens[:3])
+            params = types.SamplingParams(max_tokens=6, temperature=1.0)
+            futures = [sampler.sample(prompt, num_samples=5, sampling_params=params) for _ in range(3)]
+            outs = [f.result() for f in futures]
+            assert swarm.summary()["answered"] == 3 and swarm.summary()["sampled_here"] == 0
+            eos = swarm.stop_default  # (the model's end of turn ends a sample too)
+            for seq in [s for out in outs for s in out.sequences]:
+                ended = seq.tokens[-1] in eos
+                assert seq.stop_reason == ("stop" if ended else "length") and (ended or len(seq.tokens) == 6)
+                forward = tc.forward([datum(tokens[:3] + seq.tokens)], "cross_entropy").result()
+                logprobs = forward.loss_fn_outputs[0]["logprobs"].to_numpy()[2:]
+                assert np.allclose(seq.logprobs, logprobs, atol=2e-3)  # (the worker holds f16 weights)
+
+            first = outs[0].sequences[0].tokens
+            stop = types.SamplingParams(max_tokens=6, temperature=1.0, stop=[first[1]])
+            for seq in sampler.sample(prompt, num_samples=8, sampling_params=stop).result().sequences:
+                assert first[1] not in seq.tokens[:-1]
+                assert seq.stop_reason == ("stop" if seq.tokens[-1] in eos | {first[1]} else "length")
+            tokenizer = by_hand_tokenizer()
+            text = tokenizer.decode(first[2:4])
+            cut = types.SamplingParams(max_tokens=6, temperature=1.0, stop=[text])
+            for seq in sampler.sample(prompt, num_samples=8, sampling_params=cut).result().sequences:
+                assert text not in tokenizer.decode(seq.tokens[:-1])
+                assert seq.stop_reason == ("stop" if text in tokenizer.decode(seq.tokens) else "length")
+            greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
+            sampler.sample(prompt, num_samples=1, sampling_params=greedy).result()
+            assert swarm.summary()["answered"] == 5 and swarm.summary()["sampled_here"] == 0  # greedy: here
+
+            worker.send_signal(signal.SIGKILL)
+            worker.wait(30)
+            swarm.workers.clear()  # (as the sweep does once it has been SILENCE_S without a word from it)
+            out = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
+            assert len(out.sequences) == 2 and swarm.summary()["answered"] == 5
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(30)
+
+
+@pytest.fixture(scope="module")
+def side(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("swarm")
+    swarm = SwarmSampler("tiny", str(folder / "cache"), "/ip4/127.0.0.1/tcp/0", str(folder / "side"))
+    yield swarm
+    swarm.close()
+
+
+class Request:
+    """One asample request queued on the swarm side, and what became of it."""
+
+    def __init__(self, swarm: SwarmSampler, weights: SamplerWeights, prompt: list[int], n: int, **params) -> None:
+        self.drawn = None
+        self.here = 0
+        req = types.SampleRequest(prompt=types.ModelInput.from_ints(prompt), num_samples=n,
+                                  sampling_params=types.SamplingParams(**params), sampling_session_id="s")  # fmt: skip
+        self.queued = swarm.submit(weights, req, self._answer, self._here)
+
+    def _answer(self, drawn) -> None:
+        self.drawn = drawn
+
+    def _here(self) -> None:
+        self.here += 1
+
+
+def honest(swarm: SwarmSampler, grant) -> list[GroupSubmission]:
+    """What an honest transformers worker submits for `grant`: drawn with the version's weights."""
+    from worker.engines import make_engine
+
+    engine = make_engine("transformers", "", threads=1, max_batch=8, device="cpu")
+    base, _ = swarm.verifier.versions[0]
+    adapters, _ = swarm.verifier.versions[grant.min_version]
+    engine.load_policy(swarm.spec, {n: to_float32(a) for n, a in base.items() if n != "lm_head.weight"})
+    engine.load_adapters(swarm.spec, {n: to_float32(a) for n, a in adapters.items()})
+    groups = engine.generate(grant.requests, grant.params)
+    return [GroupSubmission(r.group, cs) for r, cs in zip(grant.requests, groups, strict=True)]
+
+
+def test_the_swarm_side_verifies_every_sample_and_a_forger_is_flagged_and_costs_nobody(side):
+    """Handlers called as workers would: an honest worker's samples answer the requests (one group per request,
+    split to its batch); forged logprobs, a sample cut short, another worker's lease and a lapsed lease are
+    refused, the forger flagged, and each request goes back to the queue, or is drawn here once no worker is
+    left to draw it."""
+    swarm = side
+    rng = np.random.default_rng(0)
+    adapters = {name: rng.normal(0, 0.05, a.shape).astype(np.float32) for name, a in tiny_adapters(swarm).items()}
+    weights = SamplerWeights("tiny", 4, adapters)
+    assert not Request(swarm, weights, [5, 17], 3, max_tokens=5).queued  # no worker heard from: drawn here
+
+    def join(peer: str, version: int) -> None:
+        swarm._on_spec(peer, SpecRequest().to_wire())
+        swarm._on_heartbeat(peer, Heartbeat(version, 0.0, 0.0, {"max_batch": 4}).to_wire())
+
+    def lease(peer: str, version: int):
+        return LeaseReply.from_wire(swarm._on_lease(peer, LeaseRequest(version, 8).to_wire())).grant
+
+    def rollout(peer: str, grant, groups) -> dict:
+        return swarm._on_rollout(peer, RolloutSubmission(grant.id, grant.min_version, groups).to_wire())
+
+    join("honest", 0)
+    requests = [Request(swarm, weights, [5, 17, 3], 6, max_tokens=5, temperature=0.9, top_p=0.95) for _ in range(3)]
+    assert all(r.queued for r in requests)
+    version = swarm.version
+    assert lease("honest", 0) is None  # it holds v0: it fetches the sampler's version first
+    grant = lease("honest", version)
+    assert len(grant.requests) == 2  # a new worker's lease: one request, its 6 samples in 2 groups of 3
+    groups = honest(swarm, grant)
+    with pytest.raises(Misbehaviour):
+        rollout("someone", grant, groups)  # not its lease
+
+    join("forger", version)
+    forger_grant = lease("forger", version)
+    cut = honest(swarm, forger_grant)
+    whole = next(c for g in cut for c in g.completions if c.finish_reason == "length")
+    whole.tokens.pop(), whole.logprobs.pop()  # stopped early, without a stop token: the rest was never drawn
+    with pytest.raises(Misbehaviour):
+        rollout("forger", forger_grant, cut)
+    assert "does not end" in swarm.verifier.flagged["forger"]
+    with pytest.raises(Misbehaviour):
+        lease("forger", version)  # flagged: no more leases
+
+    assert rollout("honest", grant, groups)["accepted"] == 2
+    assert [len(r.drawn.samples) if r.drawn else 0 for r in requests] == [6, 0, 0]
+    with pytest.raises(BadRequest):  # sent again: the lease is gone
+        rollout("honest", grant, groups)
+
+    grant = lease("honest", version)
+    assert len(grant.requests) == 4  # proven: the two requests left (the forger's went back first)
+    forged = honest(swarm, grant)
+    for c in forged[0].completions:
+        c.logprobs[:] = [x - 0.3 for x in c.logprobs]
+    with pytest.raises(Misbehaviour):
+        rollout("honest", grant, forged)
+    assert "logprobs diverge" in swarm.verifier.flagged["honest"] and swarm.summary()["queued"] == 2
+
+    join("silent", version)
+    assert len(lease("silent", version).requests) == 2
+    swarm.workers["silent"].seen -= swarm_module.SILENCE_S + 1  # it went silent holding its lease
+    swarm.sweep()  # its lease lapses; no worker left that is not flagged: both requests are drawn here
+    assert [(r.drawn is not None, r.here) for r in requests] == [(True, 0), (False, 1), (False, 1)]
+    assert swarm.summary()["leases"] == 0 and swarm.summary()["queued"] == 0
+
+
+def tiny_adapters(swarm: SwarmSampler) -> dict[str, np.ndarray]:
+    """Rank-4 adapter shapes on every projection of the tiny model (names as learner.train.lora makes them)."""
+    base, _ = swarm.verifier.versions[0]
+    out = {}
+    for name, a in base.items():
+        if a.ndim == 2 and name.endswith("_proj.weight"):
+            stem = name.removesuffix(".weight")
+            out[f"{stem}.lora_A.weight"] = np.zeros((4, a.shape[1]), np.float32)
+            out[f"{stem}.lora_B.weight"] = np.zeros((a.shape[0], 4), np.float32)
+    return out
