@@ -34,6 +34,7 @@ def test_the_next_version_is_staged_while_the_engine_runs_the_previous(tiny, tmp
         assert fetcher.ready.wait(60)
         staged = fetcher.take()
         assert staged.version == 0 and fetcher.take() is None  # taken once
+        assert not fetcher.ready.wait(2.0)  # taken, not installed yet: not fetched and staged again meanwhile
         engine.install(staged.engine_state)
         running["version"] = 0
         tokens = [1, 5, 9, 3]
@@ -67,3 +68,45 @@ def test_the_next_version_is_staged_while_the_engine_runs_the_previous(tiny, tmp
     finally:
         learner.stop()
         worker.stop()
+
+
+def test_a_lora_version_taken_is_not_staged_again_before_it_is_installed(caplog):
+    """A LoRA run: the daemon took the staged version and installs it between leases; until it runs it, the
+    fetcher does not fetch and stage the same adapters a second time (its wake-up at take() once did)."""
+    from dataclasses import replace
+
+    from learner.train.lora import add_lora
+    from learner.train.models import tiny_policy
+    from worker.engines import make_engine
+
+    policy = tiny_policy(seed=0)
+    add_lora(policy.model, rank=2, alpha=2.0)
+    learner, worker = Host().start(), Host().start()
+    try:
+        publisher = Publisher(Seeder(learner, ChunkStore()), run_id="run", full_every=10, dtype="f16", lora=True)
+        publisher.publish(0, publisher.snapshot(policy.model))
+        with torch.no_grad():
+            for name, p in policy.model.named_parameters():
+                if "lora_B" in name:
+                    p.add_(0.01 * torch.randn_like(p))
+        publisher.publish(1, publisher.snapshot(policy.model))  # the adapters alone, on v0
+        spec = replace(model_spec(policy), lora_rank=2, lora_alpha=2.0)
+        engine = make_engine("transformers", "", threads=1, max_batch=4, device="cpu")
+        peer = BroadcastPeer(worker, ChunkStore(), learner.addrs[0])
+        peer.join()
+        running = {"version": -1}
+        fetcher = VersionFetcher(
+            peer, engine, spec, lambda: publisher.published - 1, lambda: running["version"], poll_s=0.1
+        ).start()
+        assert fetcher.ready.wait(60)
+        staged = fetcher.take()
+        assert staged.version == 1
+        assert not fetcher.ready.wait(2.0)  # the daemon has not installed it yet: nothing staged again
+        assert not [r.message for r in caplog.records if r.name == "worker.fetcher" and r.levelname == "ERROR"]
+        engine.install(staged.engine_state)
+        running["version"] = 1
+        assert not fetcher.ready.wait(0.5)
+        fetcher.stop()
+    finally:
+        worker.stop()
+        learner.stop()

@@ -70,6 +70,7 @@ class VersionFetcher:
         self.fetching = -1  # version being fetched now (-1: none)
         self.engine_base = -1  # the weights version last staged (the engine's base once installed)
         self._staged: StagedVersion | None = None
+        self.taken = -1  # the version the daemon took last (it installs it, then runs it)
         self._lock = threading.Lock()
         self.ready = threading.Event()  # set while a staged version waits to be installed
         self._wake = threading.Event()
@@ -101,9 +102,15 @@ class VersionFetcher:
         with self._lock:
             staged, self._staged = self._staged, None
             self.ready.clear()
+            if staged is not None:
+                self.taken = staged.version
         if staged is not None:
             self._wake.set()  # the slot is free: fetch the next one if there is one
         return staged
+
+    def _current(self) -> int:
+        """The version the engine runs, or the one the daemon took to install (not to be fetched again)."""
+        return max(self._running(), self.taken)
 
     # -- the thread -------------------------------------------------------------------------------
 
@@ -112,7 +119,7 @@ class VersionFetcher:
         while not self._stop.is_set():
             try:
                 self.announced = self._newest()
-                if self._staged is None and self.announced >= 0 and self.announced != self._running():
+                if self._staged is None and self.announced >= 0 and self.announced != self._current():
                     self._fetch_and_stage()
                 backoff = self.poll_s
             except VersionDropped as exc:  # the learner moved on while we fetched: go for the newest at once
@@ -155,7 +162,7 @@ class VersionFetcher:
                 self._held_manifest, self.held = result[0], (result[0].version, result[1])
         if self.held is None:
             return
-        weights, adapters, version = None, None, self._running()
+        weights, adapters, version = None, None, self._current()
         if self.held[0] != self.engine_base:  # new weights (a LoRA run's full snapshot carries adapters too)
             tensors = tensors_of(self._held_manifest, self.held[1])
             weights = {name: a for name, a in tensors.items() if not is_adapter(name)}

@@ -69,7 +69,7 @@ from p2p.messages import (
 
 log = logging.getLogger(__name__)
 
-WAIT_S = 20.0  # a request no worker has leased this long is sampled here
+WAIT_S = 60.0  # a request no worker has leased this long is sampled here
 LEASE_BASE_S = 30.0  # a lease's time: this, and its tokens at SLOWEST_TOKENS_S (its worker's silence ends it sooner)
 SLOWEST_TOKENS_S = 20.0  # tokens per second (a lease's sequences together) of the slowest worker served
 SILENCE_S = 30.0  # a worker not heard from this long is gone: its leases go back to the queue
