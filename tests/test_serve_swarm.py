@@ -15,7 +15,7 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from learner.serve import swarm as swarm_module  # noqa: E402
+from learner.serve.sample_queue import SILENCE_S, WAIT_S  # noqa: E402
 from learner.serve.sampler import SamplerWeights  # noqa: E402
 from learner.serve.service import ServeOptions, make_app  # noqa: E402
 from learner.serve.swarm import SwarmSampler  # noqa: E402
@@ -60,7 +60,7 @@ def test_a_joined_worker_draws_the_samples_a_tinker_client_asks_for(tmp_path):
     worker = join_worker((tmp_path / "swarm" / "learner.addr").read_text().strip(), tmp_path, "w1")
     try:
         with serving(options, app) as url:
-            wait_for(lambda: any(w.version >= 0 for w in swarm.workers.values()), 120, "the worker holds v0")
+            wait_for(lambda: any(w.version >= 0 for w in swarm.board.workers.values()), 300, "the worker holds v0")
             tc = client(url).create_lora_training_client(base_model="tiny", rank=4).result()
             tokens = [5, 17, 99, 3, 42, 7, 61]
             for _ in range(2):
@@ -94,12 +94,15 @@ def test_a_joined_worker_draws_the_samples_a_tinker_client_asks_for(tmp_path):
             greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
             sampler.sample(prompt, num_samples=1, sampling_params=greedy).result()
             assert swarm.summary()["answered"] == 5 and swarm.summary()["sampled_here"] == 0  # greedy: here
+            long = types.SamplingParams(max_tokens=1500, temperature=1.0)  # (about 8000 tokens: a 130 KB answer)
+            out = sampler.sample(prompt, num_samples=32, sampling_params=long).result()
+            assert len(out.sequences) == 32 and swarm.summary()["answered"] == 6
 
             worker.send_signal(signal.SIGKILL)
             worker.wait(30)
-            swarm.workers.clear()  # (as the sweep does once it has been SILENCE_S without a word from it)
+            swarm.board.workers.clear()  # (as the sweep does once it has been SILENCE_S without a word from it)
             out = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
-            assert len(out.sequences) == 2 and swarm.summary()["answered"] == 5
+            assert len(out.sequences) == 2 and swarm.summary()["answered"] == 6
     finally:
         if worker.poll() is None:
             worker.kill()
@@ -146,9 +149,9 @@ def honest(swarm: SwarmSampler, grant) -> list[GroupSubmission]:
 
 def test_the_swarm_side_verifies_every_sample_and_a_forger_is_flagged_and_costs_nobody(side):
     """Handlers called as workers would: an honest worker's samples answer the requests (one group per request,
-    split to its batch); forged logprobs, a sample cut short, another worker's lease and a lapsed lease are
-    refused, the forger flagged, and each request goes back to the queue, or is drawn here once no worker is
-    left to draw it."""
+    split to its batch) with the replay's logprobs; forged logprobs, a sample cut short, another worker's
+    lease and a lapsed lease are refused, the worker flagged or banned, and its requests drawn here; a worker
+    holds one lease at a time; a request no worker leases in time is drawn here."""
     swarm = side
     rng = np.random.default_rng(0)
     adapters = {name: rng.normal(0, 0.05, a.shape).astype(np.float32) for name, a in tiny_adapters(swarm).items()}
@@ -166,12 +169,14 @@ def test_the_swarm_side_verifies_every_sample_and_a_forger_is_flagged_and_costs_
         return swarm._on_rollout(peer, RolloutSubmission(grant.id, grant.min_version, groups).to_wire())
 
     join("honest", 0)
+    assert lease("honest", 0) is None  # it asks for work: a live worker
     requests = [Request(swarm, weights, [5, 17, 3], 6, max_tokens=5, temperature=0.9, top_p=0.95) for _ in range(3)]
     assert all(r.queued for r in requests)
-    version = swarm.version
+    version = swarm.board.version
     assert lease("honest", 0) is None  # it holds v0: it fetches the sampler's version first
     grant = lease("honest", version)
     assert len(grant.requests) == 2  # a new worker's lease: one request, its 6 samples in 2 groups of 3
+    assert lease("honest", version) is None  # one lease at a time
     groups = honest(swarm, grant)
     with pytest.raises(Misbehaviour):
         rollout("someone", grant, groups)  # not its lease
@@ -186,27 +191,38 @@ def test_the_swarm_side_verifies_every_sample_and_a_forger_is_flagged_and_costs_
     assert "does not end" in swarm.verifier.flagged["forger"]
     with pytest.raises(Misbehaviour):
         lease("forger", version)  # flagged: no more leases
+    assert [r.here for r in requests] == [0, 1, 0]  # its request: drawn here
 
     assert rollout("honest", grant, groups)["accepted"] == 2
-    assert [len(r.drawn.samples) if r.drawn else 0 for r in requests] == [6, 0, 0]
+    drawn = requests[0].drawn.samples
+    assert len(drawn) == 6 and requests[1].drawn is None and requests[2].drawn is None
+    sent = [c for g in groups for c in g.completions]
+    assert [c.tokens for c in drawn] == [c.tokens for c in sent]
+    assert np.allclose([x for c in drawn for x in c.logprobs], [x for c in sent for x in c.logprobs], atol=1e-3)
     with pytest.raises(BadRequest):  # sent again: the lease is gone
         rollout("honest", grant, groups)
 
     grant = lease("honest", version)
-    assert len(grant.requests) == 4  # proven: the two requests left (the forger's went back first)
+    assert len(grant.requests) == 2  # the request left
     forged = honest(swarm, grant)
     for c in forged[0].completions:
         c.logprobs[:] = [x - 0.3 for x in c.logprobs]
     with pytest.raises(Misbehaviour):
         rollout("honest", grant, forged)
-    assert "logprobs diverge" in swarm.verifier.flagged["honest"] and swarm.summary()["queued"] == 2
+    assert "logprobs diverge" in swarm.verifier.flagged["honest"]
+    assert [r.here for r in requests] == [0, 1, 1] and swarm.summary()["queued"] == 0
 
     join("silent", version)
-    assert len(lease("silent", version).requests) == 2
-    swarm.workers["silent"].seen -= swarm_module.SILENCE_S + 1  # it went silent holding its lease
-    swarm.sweep()  # its lease lapses; no worker left that is not flagged: both requests are drawn here
-    assert [(r.drawn is not None, r.here) for r in requests] == [(True, 0), (False, 1), (False, 1)]
-    assert swarm.summary()["leases"] == 0 and swarm.summary()["queued"] == 0
+    join("idle", version)
+    assert lease("silent", version) is None and lease("idle", version) is None
+    late = [Request(swarm, weights, [9, 4], 2, max_tokens=4) for _ in range(2)]  # (a newer version: idle
+    assert all(r.queued for r in late)  # workers hold the last one; they are live while they ask)
+    assert len(lease("silent", swarm.board.version).requests) == 1
+    swarm.board.workers["silent"].seen -= SILENCE_S + 1  # it went silent holding its lease
+    swarm.board.queue[0].queued_at -= WAIT_S + 1  # and nobody leased the other in time
+    swarm.board.sweep()  # the lease lapses: its request is drawn here, as is the one left waiting
+    assert [r.here for r in late] == [1, 1] and swarm.summary()["leases"] == 0
+    assert "silent" not in swarm.board.workers and lease("silent", swarm.board.version) is None  # banned still
 
 
 def tiny_adapters(swarm: SwarmSampler) -> dict[str, np.ndarray]:

@@ -54,7 +54,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -171,11 +171,13 @@ def off_draw(misses: torch.Tensor) -> float:
 
 @dataclass(frozen=True)
 class Replay:
-    """What replaying one group's sampling found (module docstring): d, m and o."""
+    """What replaying one group's sampling found (module docstring): d, m and o, and the replay's own logprob of
+    every sampled token (of the nucleus closest to the worker's, top_p < 1), in completion order."""
 
     divergence: float
     draw_miss: float
     off_draw: float
+    logprobs: list[float] = field(default_factory=list, repr=False)
 
 
 def group_draws(seed: int, group_id: int, group: list[Rollout]) -> torch.Tensor:
@@ -188,7 +190,8 @@ def group_draws(seed: int, group_id: int, group: list[Rollout]) -> torch.Tensor:
 class RolloutVerifier:
     """Keeps the published weights of recent versions and recomputes behaviour logprobs on demand.
 
-    Thread-safe: handlers on several threads may verify at once (one model, one at a time)."""
+    Thread-safe: handlers on several threads may verify at once (one model, one replay at a time; remember(),
+    flags and counters do not wait for a replay)."""
 
     def __init__(
         self, make_model, temperature: float, top_p: float, first: int, fraction: float, tolerance: float,
@@ -215,7 +218,8 @@ class RolloutVerifier:
         self._rng = random.SystemRandom()  # the OS's randomness: no seed a worker could learn
         self._model: torch.nn.Module | None = None
         self._loaded = -1
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the tables and counters (held briefly)
+        self._replaying = threading.Lock()  # the replay model (held for a whole replay)
 
     @property
     def enabled(self) -> bool:
@@ -268,19 +272,21 @@ class RolloutVerifier:
         `version`, or None if that version is no longer kept. `params`: the lease's (temperature, top_p),
         where they are not the run's (`echo-rl serve`'s requests each bring theirs)."""
         temperature, top_p = params or (self.temperature, self.top_p)
-        with self._lock:
-            if version not in self.versions:
+        with self._replaying:
+            if not self._load(version):
                 return None
             tick = time.perf_counter()
-            self._load_locked(version)
             with torch.no_grad():
                 recomputed, misses = replay_sampling(
                     self._model, group, temperature, top_p, group_draws(seed, group_id, group)
                 )
-            self.replays += 1
-            self.replay_s += time.perf_counter() - tick
-        d = divergence([lp for r in group for lp in sampled_logprobs(r)], recomputed)
-        return Replay(d, draw_miss(misses), off_draw(misses))
+            with self._lock:
+                self.replays += 1
+                self.replay_s += time.perf_counter() - tick
+        reported = [lp for r in group for lp in sampled_logprobs(r)]
+        closest = (torch.tensor(reported, dtype=torch.float64)[None, :] - recomputed).abs().nan_to_num(CAP, CAP, CAP)
+        logprobs = recomputed.gather(0, closest.argmin(dim=0, keepdim=True))[0].tolist()  # [N]
+        return Replay(divergence(reported, recomputed), draw_miss(misses), off_draw(misses), logprobs)
 
     def check(
         self, worker: str, version: int, seed: int, group_id: int, group: list[Rollout],
@@ -316,13 +322,13 @@ class RolloutVerifier:
     def check_greedy(self, worker: str, version: int, group: list[Rollout]) -> float | None:
         """The greedy gap g of a group's completions under `version`; flags the worker when g > GREEDY_GAP.
         None if that version is no longer kept."""
-        with self._lock:
-            if version not in self.versions:
+        with self._replaying:
+            if not self._load(version):
                 return None
             tick = time.perf_counter()
-            self._load_locked(version)
             with torch.no_grad():
                 gap = float(greedy_gaps(self._model, group).max())
+        with self._lock:
             self.replays += 1
             self.replay_s += time.perf_counter() - tick
             if gap > GREEDY_GAP:
@@ -368,11 +374,16 @@ class RolloutVerifier:
         with self._lock:
             return {"groups": self.replays, "seconds": round(self.replay_s, 3)}
 
-    def _load_locked(self, version: int) -> None:
-        if self._loaded == version:
-            return
-        tensors, base = self.versions[version]
-        weights = merged_weights(self.versions[base][0], tensors, self.lora_scale) if base is not None else (
+    def _load(self, version: int) -> bool:
+        """Load `version` into the replay model (the caller holds _replaying); False if it is no longer kept."""
+        with self._lock:
+            if version not in self.versions:
+                return False
+            if self._loaded == version:
+                return True
+            tensors, base = self.versions[version]
+            base_tensors = self.versions[base][0] if base is not None else None
+        weights = merged_weights(base_tensors, tensors, self.lora_scale) if base_tensors is not None else (
             merged_weights(tensors, None, 0.0))  # fmt: skip
         if self._model is None:
             self._model = self.make_model().float().to(self.device).eval().requires_grad_(False)
@@ -380,3 +391,4 @@ class RolloutVerifier:
         if unexpected or [m for m in missing if m != "lm_head.weight"]:
             raise RuntimeError(f"verifier weights do not fit the model: {unexpected[:3]} {missing[:3]}")
         self._loaded = version
+        return True

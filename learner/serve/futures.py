@@ -29,6 +29,7 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from learner.serve.wire import RequestError
+from learner.train.devices import give_back_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ class ModelThread:
                 else:
                     del self.queues[key]
             work()
+            give_back_freed_memory()  # (a training step's activations: glibc would keep the peak for good)
 
     def close(self) -> None:
         """Stop after the job running now; the queued ones are dropped."""

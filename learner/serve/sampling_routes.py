@@ -17,6 +17,8 @@ found"; its "inflight" samplers share one target, which each inflight save repla
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +30,8 @@ from learner.serve.futures import NotFound
 from learner.serve.sampler import Drawn, SamplerWeights, batchable, check_request, request_tokens
 from learner.serve.state import Sampler, Saved, Service
 from learner.serve.wire import RequestError, parse, write_sample_response
+
+log = logging.getLogger(__name__)
 
 EPHEMERAL_PER_MODEL = 4  # unnamed snapshot samplers kept per training client, the newest
 MAX_SAMPLERS_PER_KEY = 256
@@ -100,15 +104,17 @@ async def asample(svc: Service, key: str, body: Any) -> dict:
         sample_here(svc, key, saved, req, future)
 
     def answer(drawn: Drawn) -> None:  # (from a swarm handler's thread: the samples a worker drew, verified)
-        if not future.done():
-            future.set_result(sample_response(drawn))
+        future.set_result(sample_response(drawn))
 
-    try:
-        by_workers = svc.swarm is not None and saved.weights is not None and svc.swarm.submit(
-            saved.weights, req, answer, here)  # fmt: skip
-    except RequestError as exc:  # (the future's error, as where the request is sampled here)
-        future.set_exception(exc)
-        by_workers = True
+    by_workers = False
+    if svc.swarm is not None and saved.weights is not None:
+        try:  # (off the event loop: publishing a sampler's adapters takes a moment)
+            by_workers = await asyncio.to_thread(svc.swarm.submit, saved.weights, req, answer, here)
+        except RequestError as exc:  # (the future's error, as where the request is drawn here)
+            future.set_exception(exc)
+            by_workers = True
+        except Exception:  # noqa: BLE001 - a bug of ours, or the swarm side stopping: drawn here
+            log.exception("serve: a request could not go to the swarm; drawn here")
     if not by_workers:
         here()
     return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(req.num_samples)]}

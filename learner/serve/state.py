@@ -24,7 +24,7 @@ from learner.serve.sampler import LocalSampler, SamplerWeights
 from learner.serve.swarm import SwarmSampler
 from learner.serve.trained_model import SharedBase, TrainedModel
 from learner.serve.wire import RequestError
-from learner.train.devices import resolve_device
+from learner.train.devices import bound_heap_growth, resolve_device
 from p2p.messages import Engine
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ class Service:
 
     def __init__(self, options: ServeOptions, make_engine: Callable[[], Engine]) -> None:
         self.options = options
+        bound_heap_growth()  # large blocks by mmap: freed activations go back to the OS (learner.train.devices)
         self.sessions: dict[str, Session] = {}  # session id -> its key
         self.slots: dict[str, Slot] = {}  # model id -> slot
         self.samplers: dict[str, Sampler] = {}  # sampling session id -> what it samples

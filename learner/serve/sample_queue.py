@@ -1,0 +1,253 @@
+"""The requests `echo-rl serve` waits on swarm workers for: queued, leased, being verified, and the workers'
+standing (learner.serve.swarm serves the protocols around it).
+
+    add(job)             a request on the newest sampler version, queued
+    lease(worker, ...)   the oldest queued request the worker's version can draw, and those of equal params, up
+                         to LEASE_SEQUENCES of its batches and MAX_LEASE_TOKENS (a worker not yet proven: one
+                         request, a shorter lease); one lease per worker at a time
+    take(worker, id)     the worker's answer arrived: its lease is being verified (busy() stays true, so that
+                         no newer version is published under it)
+    done(lease, ok)      verified: the worker is proven; refused: the worker is banned and the requests are
+                         drawn here
+    sweep()              lapsed leases (past their time, or their worker silent): banned, drawn here; requests
+                         no worker leased within WAIT_S: drawn here
+
+A request gets one worker: whatever goes wrong with its lease (a lapse, a refusal, a forgery), it is drawn on
+the server next, so that nobody can hold a request through lease after lease. Each request is answered once
+(SwarmJob.resolve and draw_here are exclusive). Thread-safe: one lock, never held while calling out.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tinker import types
+
+from learner.serve.sampler import Drawn
+from p2p.host import BadRequest, Misbehaviour
+from p2p.messages import SamplingParams
+
+WAIT_S = 60.0  # a request no worker has leased this long is drawn here
+LEASE_BASE_S = 30.0  # a lease's time: this, and its tokens at SLOWEST_TOKENS_S, at most MAX_LEASE_S
+SLOWEST_TOKENS_S = 20.0  # tokens per second (a lease's sequences together) of the slowest worker served
+MAX_LEASE_S = 600.0
+UNPROVEN_LEASE_S = 120.0  # the longest lease of a worker that has not answered one yet
+SILENCE_S = 30.0  # a worker not heard from this long is gone: its lease lapses
+ASKED_S = 5.0  # a worker counts as live while it asks for leases this often (or holds one)
+LAPSE_BAN_S = 600.0  # a worker whose lease lapsed or was refused gets no lease this long
+LEASE_SEQUENCES = 4  # a lease holds at most this many of the worker's batches (several workers share a batch)
+MAX_LEASE_TOKENS = 1 << 17  # sequences x max_new_tokens of one lease (any one request fits: sampler.py's bound)
+
+
+@dataclass(eq=False)
+class SwarmJob:
+    """One asample request on its way through the swarm; answered once, by a worker or here."""
+
+    req: types.SampleRequest
+    prompt: list[int]
+    version: int
+    params: SamplingParams  # stop ids included, no stop_when (the server cuts stop strings); seed 0
+    stop_strings: list[str]
+    answer: Callable[[Drawn], None]  # the request's result, verified
+    here: Callable[[], None]  # draw it on this machine instead
+    queued_at: float = field(default_factory=time.monotonic)
+    _done: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def resolve(self, drawn: Drawn) -> None:
+        if self._claim():
+            self.answer(drawn)
+
+    def draw_here(self) -> None:
+        if self._claim():
+            self.here()
+
+    def _claim(self) -> bool:
+        with self._lock:
+            done, self._done = self._done, True
+            return not done
+
+    def goes_with(self, other: SwarmJob) -> bool:
+        """Whether `other` may share this request's lease: the same version, sample count and params."""
+        return (self.version, self.req.num_samples, self.params, self.stop_strings) == (
+            other.version, other.req.num_samples, other.params, other.stop_strings)  # fmt: skip
+
+
+@dataclass
+class SwarmLease:
+    lease_id: int
+    worker: str
+    version: int
+    jobs: list[SwarmJob]
+    group_size: int
+    groups: list[int]  # per group, the index of its job in `jobs`
+    seed: int
+    deadline: float  # time.monotonic()
+
+
+@dataclass
+class SwarmWorker:
+    version: int = -1  # the version it holds, by its word (at most the newest)
+    max_batch: int = 1  # by its word: a larger lease only costs it time (it lapses and is banned)
+    seen: float = field(default_factory=time.monotonic)  # any message
+    asked: float = 0.0  # its last lease request
+    delivered: int = 0  # leases it answered: until one, its leases hold one request
+
+
+class SampleBoard:
+    """The swarm side's requests and leases (module docstring)."""
+
+    def __init__(self) -> None:
+        self.version = 0  # the newest sampler version: requests are queued on it alone
+        self.published_at = time.monotonic()
+        self.queue: list[SwarmJob] = []
+        self.leases: dict[int, SwarmLease] = {}  # out with a worker
+        self.verifying: dict[int, SwarmLease] = {}  # answered, being replayed
+        self.workers: dict[str, SwarmWorker] = {}
+        self.banned: dict[str, float] = {}  # peer -> until (outlives the worker's record)
+        self.answered = self.drawn_here = 0  # requests answered by workers, and drawn here
+        self._lock = threading.Lock()
+
+    def seen(self, peer: str, version: int | None = None, max_batch: object = None) -> None:
+        """A message from `peer`; a heartbeat brings its version and batch."""
+        with self._lock:
+            worker = self.workers.setdefault(peer, SwarmWorker())
+            worker.seen = time.monotonic()
+            if version is not None:
+                worker.version = min(version, self.version)
+            if type(max_batch) is int:
+                worker.max_batch = min(max(max_batch, 1), 256)
+
+    def live(self, flagged: dict[str, str]) -> bool:
+        """Whether a worker may draw a request soon: it asks for leases (or holds one), holds the newest
+        version or a version published within WAIT_S, and is neither banned nor flagged."""
+        now = time.monotonic()
+        with self._lock:
+            holding = {lease.worker for lease in self.leases.values()}
+            fresh = now - self.published_at <= WAIT_S  # workers on an older version are fetching the newest
+            return any(
+                (now - w.asked <= ASKED_S or peer in holding) and (w.version == self.version or fresh)
+                and w.version >= 0 and peer not in flagged and self.banned.get(peer, 0.0) < now
+                for peer, w in self.workers.items()
+            )  # fmt: skip
+
+    def busy(self) -> bool:
+        """Whether requests are queued, leased or being verified (no newer version may be published)."""
+        with self._lock:
+            return bool(self.queue or self.leases or self.verifying)
+
+    def publish(self, version: int, job: SwarmJob) -> None:
+        """`version` is the newest sampler version now, and `job` its first request."""
+        with self._lock:
+            self.version, self.published_at = version, time.monotonic()
+            self.queue.append(job)
+
+    def add(self, job: SwarmJob) -> None:
+        with self._lock:
+            self.queue.append(job)
+
+    def lease(self, peer: str, version: int, max_groups: int) -> SwarmLease | None:
+        """The lease a worker holding `version` gets now, if any (module docstring)."""
+        now = time.monotonic()
+        with self._lock:
+            worker = self.workers.setdefault(peer, SwarmWorker())
+            worker.seen = worker.asked = now
+            worker.version = min(version, self.version)
+            if self.banned.get(peer, 0.0) >= now or any(lease.worker == peer for lease in self.leases.values()):
+                return None
+            first = next((job for job in self.queue if job.version == version), None)
+            if first is None:
+                return None
+            n = first.req.num_samples
+            split = -(-n // worker.max_batch)  # groups per request, each of group_size samples (>= n in all)
+            group_size = -(-n // split)
+            tokens = split * group_size * first.params.max_new_tokens  # what one request costs the lease
+            most = LEASE_SEQUENCES * worker.max_batch if worker.delivered else n  # a new worker: one request
+            jobs = [first]
+            for job in self.queue:
+                count = len(jobs) + 1
+                if count * n > most or count * split > max_groups or count * tokens > MAX_LEASE_TOKENS:
+                    break
+                if job is not first and first.goes_with(job):
+                    jobs.append(job)
+            taken = set(map(id, jobs))
+            self.queue = [job for job in self.queue if id(job) not in taken]
+            groups = [j for j in range(len(jobs)) for _ in range(split)]
+            seconds = LEASE_BASE_S + len(jobs) * tokens / SLOWEST_TOKENS_S
+            seconds = min(seconds, MAX_LEASE_S if worker.delivered else UNPROVEN_LEASE_S)
+            lease = SwarmLease(secrets.randbits(62), peer, version, jobs, group_size, groups, secrets.randbits(62),
+                               now + seconds)  # fmt: skip
+            self.leases[lease.lease_id] = lease
+            return lease
+
+    def take(self, peer: str, lease_id: object) -> SwarmLease:
+        """The lease a worker answers, now being verified; BadRequest if it is not out, Misbehaviour if it
+        is another worker's."""
+        with self._lock:
+            lease = self.leases.get(lease_id) if isinstance(lease_id, int) else None
+            if lease is None:
+                raise BadRequest("no such lease (it lapsed, or it is being verified)")
+            if lease.worker != peer:
+                raise Misbehaviour("another worker's lease")
+            self.verifying[lease.lease_id] = self.leases.pop(lease.lease_id)
+            return lease
+
+    def done(self, lease: SwarmLease, ok: bool) -> None:
+        """The lease's answer was verified (its requests answered by the caller) or refused: its worker is
+        banned and its requests are drawn here."""
+        with self._lock:
+            self.verifying.pop(lease.lease_id, None)
+            worker = self.workers.get(lease.worker)
+            if ok:
+                self.answered += len(lease.jobs)
+                if worker is not None:
+                    worker.delivered += 1
+                return
+            self.banned[lease.worker] = time.monotonic() + LAPSE_BAN_S
+            self.drawn_here += len(lease.jobs)
+        for job in lease.jobs:
+            job.draw_here()
+
+    def sweep(self) -> list[str]:
+        """Lapse leases past their time or of silent workers (banned, their requests drawn here), draw here
+        the requests no worker leased within WAIT_S, forget silent workers. The lapsed leases' workers."""
+        now = time.monotonic()
+        here: list[SwarmJob] = []
+        lapsed = []
+        with self._lock:
+            for lease_id, lease in list(self.leases.items()):
+                worker = self.workers.get(lease.worker)
+                if now > lease.deadline or worker is None or now - worker.seen > SILENCE_S:
+                    del self.leases[lease_id]
+                    self.banned[lease.worker] = now + LAPSE_BAN_S
+                    here += lease.jobs
+                    lapsed.append(lease.worker)
+            keep = []
+            for job in self.queue:
+                (here if now - job.queued_at > WAIT_S or job.version != self.version else keep).append(job)
+            self.queue = keep
+            for peer in [p for p, w in self.workers.items() if now - w.seen > SILENCE_S]:
+                del self.workers[peer]
+            self.banned = {peer: until for peer, until in self.banned.items() if until > now}
+            self.drawn_here += len(here)
+        for job in here:
+            job.draw_here()
+        return lapsed
+
+    def drain(self) -> None:
+        """Draw here every request still waiting on the swarm (the server is stopping)."""
+        with self._lock:
+            here = self.queue + [j for lease in [*self.leases.values(), *self.verifying.values()] for j in lease.jobs]
+            self.queue, self.leases, self.verifying = [], {}, {}
+        for job in here:
+            job.draw_here()
+
+    def summary(self) -> dict:
+        with self._lock:
+            return {"version": self.version, "workers": len(self.workers), "queued": len(self.queue),
+                    "leases": len(self.leases) + len(self.verifying), "answered": self.answered,
+                    "sampled_here": self.drawn_here}  # fmt: skip
