@@ -1,15 +1,19 @@
-"""tinker-cookbook's rl_loop, unmodified, against `echo-rl serve` with its samples drawn by `worker join` processes.
+"""tinker-cookbook's RL recipes, unmodified, against `echo-rl serve` with their samples drawn by `worker join`
+processes.
 
-    .venv/bin/python scripts/bench_cookbook_swarm.py --steps 30 [--workers 2] [--kill-worker-at 10] [--json]
+    .venv/bin/python scripts/bench_cookbook_swarm.py --steps 30 [--recipe rl_loop|math_rl] [--workers 2]
+        [--kill-worker-at 10] [--json]
 
 In --work (default /tmp/echo-cookbook-swarm) it sets up what the recipe needs offline: tinker-cookbook 0.6.1 in its
 own venv on top of this checkout's .venv (kept in ~/.cache/echo-rl/cookbook-venv), SmolLM2 (the bundled model)
 linked as `meta-llama/Llama-3.2-1B` (rl_loop takes only models its model_info knows; that name picks the
 role_colon renderer), and a local `openai/gsm8k` dataset folder of one-digit additions (rl_loop loads that
 dataset by name, and `datasets` takes a local folder of that name first): the recipe's data, swapped through
-its own loader. Then it starts `echo-rl serve --swarm-listen`, the workers (transformers engine), and the recipe
-(`python -m tinker_cookbook.recipes.rl_loop`), kills a worker once --kill-worker-at steps are done, and prints
-the reward of every step and how many sample requests the workers drew (the rest were drawn by serve itself).
+its own loader. math_rl plays its own arithmetic environment (sums of two numbers up to 100, answered as a
+number; SmolLM2 served as `HuggingFaceTB/SmolLM2-135M-Instruct`, the role_colon renderer named). Then it starts
+`echo-rl serve --swarm-listen`, the workers (transformers engine) and the recipe, kills a worker once
+--kill-worker-at steps are done, and prints the reward of every step and how many sample requests the workers
+drew (the rest were drawn by serve itself).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ ECHO = [sys.executable, "-m", "echo_cli"]
 COOKBOOK = "tinker-cookbook==0.6.1"
 COOKBOOK_IMPORTS = ["chz", "termcolor", "pylatexenc", "cloudpickle", "blobfile", "lxml", "pycryptodomex"]
 KEY = "tml-cookbook-swarm-bench-key"
-ALIAS = "meta-llama/Llama-3.2-1B"
+ALIAS = "meta-llama/Llama-3.2-1B"  # rl_loop's model: a name its model_info knows
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"  # math_rl's (it takes any name with renderer_name)
 
 
 def cookbook_python() -> Path:
@@ -65,10 +70,11 @@ def prepare(work: Path) -> None:
     from learner.train.models import load_policy
 
     load_policy("smollm2-135m", "~/.cache/echo-rl")  # makes the bundled model's HF folder if missing
-    alias = work / ALIAS
-    alias.parent.mkdir(parents=True, exist_ok=True)
-    if not alias.exists():
-        alias.symlink_to(Path("~/.cache/echo-rl/smollm2-135m").expanduser())
+    for name in (ALIAS, SMOLLM2):
+        alias = work / name
+        alias.parent.mkdir(parents=True, exist_ok=True)
+        if not alias.exists():
+            alias.symlink_to(Path("~/.cache/echo-rl/smollm2-135m").expanduser())
     data = work / "openai" / "gsm8k"
     (data / "main").mkdir(parents=True, exist_ok=True)
     for split, n, seed in (("train", 4096, 0), ("test", 256, 1)):
@@ -98,6 +104,7 @@ def wait_for(check, seconds: float, what: str, process: subprocess.Popen) -> Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--recipe", choices=("rl_loop", "math_rl"), default="rl_loop")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--kill-worker-at", type=int, default=0, help="steps done when the last worker is killed")
     parser.add_argument("--batch-size", type=int, default=8, help="rl_loop's prompts per step")
@@ -117,7 +124,8 @@ def main() -> None:
     port, swarm_dir = free_port(), work / "swarm"
     (swarm_dir / "learner.addr").unlink(missing_ok=True)
     env = {**os.environ, "COLUMNS": "160"}
-    serve_cmd = ECHO + ["serve", "--port", str(port), "--models", ALIAS, "--device", "cpu", "--api-key-file",
+    model = ALIAS if args.recipe == "rl_loop" else SMOLLM2
+    serve_cmd = ECHO + ["serve", "--port", str(port), "--models", model, "--device", "cpu", "--api-key-file",
                         str(work / "keys"), "--checkpoint-dir", str(work / "checkpoints"), "--swarm-listen",
                         "/ip4/127.0.0.1/tcp/0", "--swarm-dir", str(swarm_dir), "--sampler-threads", "1"]  # fmt: skip
     processes: list[subprocess.Popen] = []
@@ -138,14 +146,18 @@ def main() -> None:
             wait_for(lambda k=k: "now on v0" in (work / f"worker-{k}.log").read_text(), 300, f"worker {k}", w)
         cookbook_env = {**env, "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1",
                         "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(work / "hf_home")}
-        recipe = [str(python), "-m", "tinker_cookbook.recipes.rl_loop", f"model_name={ALIAS}",
-                  f"base_url=http://127.0.0.1:{port}", f"log_path={run}", f"batch_size={args.batch_size}",
+        common = [f"model_name={model}", f"base_url=http://127.0.0.1:{port}", f"log_path={run}",
                   f"group_size={args.group_size}", f"max_tokens={args.max_tokens}", f"max_steps={args.steps}",
-                  "lora_rank=16", f"learning_rate={args.learning_rate}", "loss_fn=importance_sampling",
-                  "save_every=0"]  # fmt: skip
+                  "lora_rank=16", f"learning_rate={args.learning_rate}", "loss_fn=importance_sampling"]  # fmt: skip
+        if args.recipe == "rl_loop":
+            recipe = ["tinker_cookbook.recipes.rl_loop", *common, f"batch_size={args.batch_size}", "save_every=0"]
+        else:
+            recipe = ["tinker_cookbook.recipes.math_rl.train", *common, "env=arithmetic", "renderer_name=role_colon",
+                      f"groups_per_batch={args.batch_size}", "behavior_if_log_dir_exists=delete"]  # fmt: skip
+        recipe = [str(python), "-m", *recipe]
         tick = time.monotonic()
-        loop = subprocess.Popen(recipe, cwd=work, stdout=open(work / "rl_loop.log", "w"), stderr=subprocess.STDOUT,
-                                env=cookbook_env)  # fmt: skip
+        recipe_log = open(work / f"{args.recipe}.log", "w")  # noqa: SIM115 - as long as the recipe
+        loop = subprocess.Popen(recipe, cwd=work, stdout=recipe_log, stderr=subprocess.STDOUT, env=cookbook_env)
         processes.append(loop)
         killed = None
         while loop.poll() is None:
@@ -157,7 +169,7 @@ def main() -> None:
             time.sleep(1.0)
         seconds = time.monotonic() - tick
         if loop.returncode != 0:
-            raise SystemExit(f"rl_loop exited with {loop.returncode}: see {work / 'rl_loop.log'}")
+            raise SystemExit(f"{args.recipe} exited with {loop.returncode}: see {work / (args.recipe + '.log')}")
     finally:
         for p in reversed(processes):
             if p.poll() is None:
@@ -168,13 +180,14 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 p.kill()
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    rewards = [round(s["reward/total"], 4) for s in steps]
+    key = "reward/total" if args.recipe == "rl_loop" else "env/all/reward/total"
+    rewards = [round(s[key], 4) for s in steps]
     served = [line for line in (work / "serve.log").read_text().splitlines() if "workers drew" in line]
     leases = [int(line.split("after ")[1].split()[0]) for k in range(1, args.workers + 1)
               for line in (work / f"worker-{k}.log").read_text().splitlines() if "worker left after" in line]
     fifth = max(1, len(rewards) // 5)
     out = {
-        "steps": len(steps), "seconds": round(seconds, 1), "rewards": rewards,
+        "recipe": args.recipe, "steps": len(steps), "seconds": round(seconds, 1), "rewards": rewards,
         "first_fifth": round(sum(rewards[:fifth]) / fifth, 4), "last_fifth": round(sum(rewards[-fifth:]) / fifth, 4),
         "killed_after_step": killed, "worker_leases": leases, "serve": served[-1] if served else None, "run": str(run),
     }  # fmt: skip
