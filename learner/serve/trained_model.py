@@ -5,8 +5,8 @@ of that base model (SharedBase), and its own AdamW.
     optim_step(adam)                ->  clip the accumulated gradient, one AdamW step, zero it
 
 Datum i's position t predicts target_tokens[t] from model_input[: t + 1] (Tinker's alignment). Datums go
-through the model in passes of at most TOKENS_PER_PASS padded tokens, each pass's loss backward at once:
-every loss is a sum over tokens, so the accumulated gradient is the whole request's.
+through the model in passes of at most TOKENS_PER_PASS padded tokens (and LOGITS_PER_PASS logits), each pass's
+loss backward at once: every loss is a sum over tokens, so the accumulated gradient is the whole request's.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from learner.train.trainer import model_device, token_logprobs
 from learner.train.wire_weights import wire_name
 
 TOKENS_PER_PASS = 8192  # padded tokens through the model at once (bounds a pass's activations)
+LOGITS_PER_PASS = 1 << 28  # and tokens x vocabulary: 1 GiB per float32 copy of the logits (a pass holds about 4
+# at its peak: logits, log-softmax and their gradients; rl_loop on SmolLM2 peaked at 10.7 GB with 8192 tokens)
 
 
 class SharedBase:
@@ -150,7 +152,7 @@ class TrainedModel:
 
     def _passes(self, request: ForwardBackward, loss: Loss, config: dict[str, float]) -> tuple[list, dict]:
         logprobs, total = [], 0.0
-        for batch in passes(request.data):
+        for batch in passes(request.data, max(1, min(TOKENS_PER_PASS, LOGITS_PER_PASS // self.vocab))):
             with torch.set_grad_enabled(not request.forward_only):
                 logp = self._target_logprobs(batch)  # [N] over the pass's datums
                 inputs = {name: flat(batch, name).to(logp.device) for name in loss.inputs}  # each [N]
@@ -232,12 +234,12 @@ def flat(batch: list[Datum], name: str) -> torch.Tensor:
     return torch.from_numpy(np.concatenate([d.inputs[name] for d in batch]).astype(np.float32))
 
 
-def passes(data: list[Datum]) -> list[list[Datum]]:
-    """Consecutive datums in groups of at most TOKENS_PER_PASS padded tokens (a longer datum alone)."""
+def passes(data: list[Datum], tokens: int) -> list[list[Datum]]:
+    """Consecutive datums in groups of at most `tokens` padded tokens (a longer datum alone)."""
     groups: list[list[Datum]] = []
     width = 0
     for d in data:
-        if groups and max(width, len(d.tokens)) * (len(groups[-1]) + 1) <= TOKENS_PER_PASS:
+        if groups and max(width, len(d.tokens)) * (len(groups[-1]) + 1) <= tokens:
             groups[-1].append(d)
             width = max(width, len(d.tokens))
         else:
