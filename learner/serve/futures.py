@@ -5,7 +5,8 @@
     Ordered.add(seq_id, job)     -> a training client's requests run in seq_id order, each once
     Futures.result(key, id)      -> long-polls POLL_S, then "try_again"
 
-Only the event loop's thread calls these (the model thread only completes futures). What a key may hold is
+Only the event loop's thread calls Futures; ModelThread.run is also called from the swarm side's threads
+(learner.serve.swarm), which complete futures too, as the model thread does. What a key may hold is
 bounded: OUTSTANDING unfinished requests (the rest get 429, which the SDK retries after a pause), results
 kept KEEP_RETRIEVED_S once fetched (a poll whose answer was lost can fetch again) or KEEP_UNRETRIEVED_S if
 never fetched; a key's requests never push out another key's results.

@@ -3,12 +3,13 @@ standing (learner.serve.swarm serves the protocols around it).
 
     add(job)             a request on the newest sampler version, queued
     lease(worker, ...)   the oldest queued request the worker's version can draw, and those of equal params, up
-                         to LEASE_SEQUENCES of its batches and MAX_LEASE_TOKENS (a worker not yet proven: one
-                         request, a shorter lease); one lease per worker at a time
+                         to LEASE_SEQUENCES of its batches and LEASE_TOKENS tokens (the first request whole; a
+                         worker not yet proven: that request alone); one lease per worker, out or being
+                         verified (asked again while one is out: the reply was lost, the same lease again)
     take(worker, id)     the worker's answer arrived: its lease is being verified (busy() stays true, so that
                          no newer version is published under it)
-    done(lease, ok)      verified: the worker is proven; refused: the worker is banned and the requests are
-                         drawn here
+    done(lease, ...)     verified: the worker is proven; refused: the worker is banned (and proven no more) and
+                         the requests are drawn here; our own failure: drawn here, nobody banned
     sweep()              lapsed leases (past their time, or their worker silent): banned, drawn here; requests
                          no worker leased within WAIT_S: drawn here
 
@@ -33,14 +34,13 @@ from p2p.messages import SamplingParams
 
 WAIT_S = 60.0  # a request no worker has leased this long is drawn here
 LEASE_BASE_S = 30.0  # a lease's time: this, and its tokens at SLOWEST_TOKENS_S, at most MAX_LEASE_S
-SLOWEST_TOKENS_S = 20.0  # tokens per second (a lease's sequences together) of the slowest worker served
-MAX_LEASE_S = 600.0
-UNPROVEN_LEASE_S = 120.0  # the longest lease of a worker that has not answered one yet
+SLOWEST_TOKENS_S = 20.0  # the rate (a lease's sequences together) leases are timed for
+MAX_LEASE_S = 600.0  # what one lease may hold its requests (a request larger than this covers: drawn here)
+LEASE_TOKENS = int((MAX_LEASE_S - LEASE_BASE_S) * SLOWEST_TOKENS_S)  # sequences x max_new_tokens of one lease
 SILENCE_S = 30.0  # a worker not heard from this long is gone: its lease lapses
 ASKED_S = 5.0  # a worker counts as live while it asks for leases this often (or holds one)
 LAPSE_BAN_S = 600.0  # a worker whose lease lapsed or was refused gets no lease this long
 LEASE_SEQUENCES = 4  # a lease holds at most this many of the worker's batches (several workers share a batch)
-MAX_LEASE_TOKENS = 1 << 17  # sequences x max_new_tokens of one lease (any one request fits: sampler.py's bound)
 
 
 @dataclass(eq=False)
@@ -113,12 +113,14 @@ class SampleBoard:
         self._lock = threading.Lock()
 
     def seen(self, peer: str, version: int | None = None, max_batch: object = None) -> None:
-        """A message from `peer`; a heartbeat brings its version and batch."""
+        """A message from `peer`; a heartbeat brings its version and batch (a version never published is a lie)."""
         with self._lock:
+            if version is not None and version > self.version:
+                raise Misbehaviour(f"v{version} was never published (the newest is v{self.version})")
             worker = self.workers.setdefault(peer, SwarmWorker())
             worker.seen = time.monotonic()
             if version is not None:
-                worker.version = min(version, self.version)
+                worker.version = version
             if type(max_batch) is int:
                 worker.max_batch = min(max(max_batch, 1), 256)
 
@@ -154,10 +156,15 @@ class SampleBoard:
         """The lease a worker holding `version` gets now, if any (module docstring)."""
         now = time.monotonic()
         with self._lock:
+            if version > self.version:
+                raise Misbehaviour(f"v{version} was never published (the newest is v{self.version})")
             worker = self.workers.setdefault(peer, SwarmWorker())
             worker.seen = worker.asked = now
-            worker.version = min(version, self.version)
-            if self.banned.get(peer, 0.0) >= now or any(lease.worker == peer for lease in self.leases.values()):
+            worker.version = version
+            held = next((lease for lease in self.leases.values() if lease.worker == peer), None)
+            if held is not None:  # it asks again: our reply was lost (a worker asks only when it holds none)
+                return held
+            if self.banned.get(peer, 0.0) >= now or any(lease.worker == peer for lease in self.verifying.values()):
                 return None
             first = next((job for job in self.queue if job.version == version), None)
             if first is None:
@@ -170,44 +177,48 @@ class SampleBoard:
             jobs = [first]
             for job in self.queue:
                 count = len(jobs) + 1
-                if count * n > most or count * split > max_groups or count * tokens > MAX_LEASE_TOKENS:
+                if count * n > most or count * split > max_groups or count * tokens > LEASE_TOKENS:
                     break
                 if job is not first and first.goes_with(job):
                     jobs.append(job)
             taken = set(map(id, jobs))
             self.queue = [job for job in self.queue if id(job) not in taken]
             groups = [j for j in range(len(jobs)) for _ in range(split)]
-            seconds = LEASE_BASE_S + len(jobs) * tokens / SLOWEST_TOKENS_S
-            seconds = min(seconds, MAX_LEASE_S if worker.delivered else UNPROVEN_LEASE_S)
+            seconds = min(LEASE_BASE_S + len(jobs) * tokens / SLOWEST_TOKENS_S, MAX_LEASE_S)
             lease = SwarmLease(secrets.randbits(62), peer, version, jobs, group_size, groups, secrets.randbits(62),
                                now + seconds)  # fmt: skip
             self.leases[lease.lease_id] = lease
             return lease
 
     def take(self, peer: str, lease_id: object) -> SwarmLease:
-        """The lease a worker answers, now being verified; BadRequest if it is not out, Misbehaviour if it
-        is another worker's."""
+        """The lease a worker answers, now being verified (no longer timed); BadRequest if it lapsed or is being
+        verified, Misbehaviour if the worker holds no lease (a stray frame costs its sender) or another one."""
         with self._lock:
             lease = self.leases.get(lease_id) if isinstance(lease_id, int) else None
             if lease is None:
-                raise BadRequest("no such lease (it lapsed, or it is being verified)")
+                if any(x.worker == peer for x in [*self.leases.values(), *self.verifying.values()]):
+                    raise BadRequest("no such lease (it is being verified)")
+                raise Misbehaviour("no lease of this worker is out (it lapsed, or was answered)")
             if lease.worker != peer:
                 raise Misbehaviour("another worker's lease")
             self.verifying[lease.lease_id] = self.leases.pop(lease.lease_id)
             return lease
 
-    def done(self, lease: SwarmLease, ok: bool) -> None:
-        """The lease's answer was verified (its requests answered by the caller) or refused: its worker is
-        banned and its requests are drawn here."""
+    def done(self, lease: SwarmLease, verified: bool, ban: bool = True) -> None:
+        """The lease's answer was verified (its requests answered by the caller), or not: its requests are
+        drawn here (those not answered yet), and its worker banned unless the failure was ours (`ban`)."""
         with self._lock:
             self.verifying.pop(lease.lease_id, None)
             worker = self.workers.get(lease.worker)
-            if ok:
+            if verified:
                 self.answered += len(lease.jobs)
                 if worker is not None:
                     worker.delivered += 1
                 return
-            self.banned[lease.worker] = time.monotonic() + LAPSE_BAN_S
+            if ban:
+                self.banned[lease.worker] = time.monotonic() + LAPSE_BAN_S
+                if worker is not None:
+                    worker.delivered = 0  # proven no more: its next lease holds one request
             self.drawn_here += len(lease.jobs)
         for job in lease.jobs:
             job.draw_here()
@@ -224,6 +235,8 @@ class SampleBoard:
                 if now > lease.deadline or worker is None or now - worker.seen > SILENCE_S:
                     del self.leases[lease_id]
                     self.banned[lease.worker] = now + LAPSE_BAN_S
+                    if worker is not None:
+                        worker.delivered = 0
                     here += lease.jobs
                     lapsed.append(lease.worker)
             keep = []

@@ -40,7 +40,7 @@ from learner.config import SwarmConfig
 from learner.orchestrate.publisher import Publisher
 from learner.orchestrate.rollouts import Rollout
 from learner.orchestrate.verify import RolloutVerifier
-from learner.serve.sample_queue import MAX_LEASE_TOKENS, SILENCE_S, SampleBoard, SwarmJob, SwarmLease
+from learner.serve.sample_queue import LEASE_SEQUENCES, LEASE_TOKENS, SILENCE_S, SampleBoard, SwarmJob, SwarmLease
 from learner.serve.sampler import MAX_NEW_TOKENS, MAX_SAMPLES, Drawn, SamplerWeights, cut_at_stop, request_params
 from learner.train.devices import give_back_freed_memory
 from learner.train.models import load_policy, model_spec
@@ -52,6 +52,7 @@ from p2p.identity import load_identity
 from p2p.messages import (
     HEARTBEAT,
     LEASE,
+    LOGPROB_FLOOR,
     ROLLOUT,
     SPEC,
     Completion,
@@ -61,6 +62,7 @@ from p2p.messages import (
     LeaseGrant,
     LeaseReply,
     LeaseRequest,
+    MessageError,
     RolloutReply,
     RolloutSubmission,
     SpecReply,
@@ -71,12 +73,15 @@ from p2p.wire import FrameLimits
 log = logging.getLogger(__name__)
 
 HEAD_ADAPTER_REASON = "echo-rl serve's samplers may adapt the output layer, which llama.cpp workers cannot"
-ROLLOUTS_AT_ONCE = 2  # submissions replayed at once (the rest wait): the handler threads stay free for heartbeats
+ROLLOUTS_AT_ONCE = 2  # submissions replayed at once (the rest wait, their leases no longer timed)
+MIN_TEMPERATURE = 0.5  # colder requests are drawn here: the replay's tolerances were measured at 0.8 and
+# 16-bit rounding's effect on logprobs and draws grows as 1/T
 
 
 class SwarmSampler:
-    """The swarm side of `echo-rl serve` for one base model (module docstring). Thread-safe: the event loop
-    submits, the host's handler threads lease and verify, a timer thread sends late requests here."""
+    """The swarm side of `echo-rl serve` for one base model (module docstring). Thread-safe: asample submits
+    from a thread of the event loop's executor, the host's handler threads lease and verify, a timer thread
+    lapses leases and sends late requests here."""
 
     def __init__(
         self, base_model: str, cache_dir: str, listen: str, swarm_dir: str, device: str = "cpu",
@@ -132,7 +137,8 @@ class SwarmSampler:
         self.host.handle(SPEC, self._on_spec)
         self.host.handle(HEARTBEAT, self._on_heartbeat)
         self.host.handle(LEASE, self._on_lease)
-        self.host.handle(ROLLOUT, self._on_rollout, ROLLOUTS_AT_ONCE, limits=rollout_limits())
+        self.host.handle(ROLLOUT, self._on_rollout, limits=rollout_limits())
+        self._replays = threading.BoundedSemaphore(ROLLOUTS_AT_ONCE)
         self._timer = threading.Thread(target=self._sweep_loop, name="serve-swarm", daemon=True)
         self._timer.start()
         addr = folder / "learner.addr"
@@ -152,7 +158,9 @@ class SwarmSampler:
         p = req.sampling_params
         if weights.base_model != self.base_model or not weights.adapters:  # (the base itself: version 0, which
             return False  # workers past it do not fetch again)
-        if p.temperature == 0 or req.prompt_logprobs or p.stop == [] or p.seed is not None:
+        if p.temperature < MIN_TEMPERATURE or req.prompt_logprobs or p.stop == [] or p.seed is not None:
+            return False
+        if req.num_samples * (p.max_tokens or MAX_NEW_TOKENS) > LEASE_TOKENS:  # more than a lease may hold
             return False
         prompt = req.prompt.to_ints()
         params, stop_strings = request_params(req, prompt, self.context, self.vocab, self.tokenizer)
@@ -205,19 +213,29 @@ class SwarmSampler:
         if peer in self.verifier.flagged:
             raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
         self.board.seen(peer)
-        lease = self.board.take(peer, msg.get("lease"))
+        lease = self.board.take(peer, msg.get("lease"))  # (now being verified: its time no longer runs)
+        verified = False
         try:
-            samples = self._verify(peer, lease, msg)
-        except BaseException:  # a refusal costs the worker its standing; its requests are drawn here
-            self.board.done(lease, ok=False)
+            with self._replays:
+                samples = self._verify(peer, lease, msg)
+            for j, job in enumerate(lease.jobs):
+                drawn = [c for g, owner in enumerate(lease.groups) if owner == j for c in samples[g]]
+                drawn = drawn[: job.req.num_samples]
+                if job.stop_strings:
+                    drawn = [cut_at_stop(c, job.stop_strings, self.tokenizer) for c in drawn]
+                job.resolve(Drawn(drawn, None))
+            verified = True
+        except (BadRequest, Misbehaviour, MessageError):  # refused: the worker is banned, its requests drawn here
+            self.board.done(lease, verified=False)
             raise
-        for j, job in enumerate(lease.jobs):
-            drawn = [c for g, owner in enumerate(lease.groups) if owner == j for c in samples[g]][: job.req.num_samples]
-            if job.stop_strings:
-                drawn = [cut_at_stop(c, job.stop_strings, self.tokenizer) for c in drawn]
-            job.resolve(Drawn(drawn, None))
-        self.board.done(lease, ok=True)
-        give_back_freed_memory()  # (the replay's logits, on a handler thread's own heap)
+        except Exception:  # our failure (a replay out of memory, a bug): drawn here, nobody banned
+            log.exception("serve: a lease of %s could not be verified; its requests are drawn here", peer[-8:])
+            self.board.done(lease, verified=False, ban=False)
+            raise
+        finally:
+            if verified:
+                self.board.done(lease, verified=True)
+            give_back_freed_memory()  # (the replay's logits, on a handler thread's own heap)
         return RolloutReply(len(lease.groups)).to_wire()
 
     def _verify(self, peer: str, lease: SwarmLease, msg: dict) -> list[list[Completion]]:
@@ -246,7 +264,10 @@ class SwarmSampler:
             if peer in self.verifier.flagged:
                 raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
             if replay is None:
-                raise BadRequest(f"v{lease.version} is no longer kept: the samples cannot be verified")
+                raise RuntimeError(f"v{lease.version} is no longer kept: the samples cannot be verified")
+            if not all(LOGPROB_FLOOR <= x <= 0.0 for x in replay.logprobs):  # (NaN fails too)
+                self.verifier.flag(peer, "a sampled token lies outside the nucleus, or below the logprob floor")
+                raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
             logprobs = iter(replay.logprobs)  # the replay's: the worker's only had to be within tolerance
             groups.append([Completion(c.tokens, [next(logprobs) for _ in c.tokens],
                                       "stop" if c.tokens[-1] in stops else "length") for c in group.completions])
@@ -278,8 +299,9 @@ class SwarmSampler:
 
 
 def rollout_limits() -> FrameLimits:
-    """What one submission may hold: MAX_LEASE_TOKENS tokens at 16 bytes of msgpack each (an int, a float64),
-    64 bytes per sample, twice that as slack (learner.orchestrate.intake.rollout_limits, for serve's leases)."""
-    size = 16 * MAX_LEASE_TOKENS + 64 * MAX_LEASE_TOKENS // 8 + 4096
-    return FrameLimits(max_bytes=2 * size, max_array=max(MAX_NEW_TOKENS, MAX_SAMPLES * 64), max_map=16, max_str=64,
-                       max_bin=0)  # fmt: skip
+    """What one submission may hold: twice LEASE_TOKENS tokens (the first request is leased whole, its groups
+    rounded up to the worker's batch) at 16 bytes of msgpack each (an int, a float64) and 64 bytes per sample,
+    twice that as slack (learner.orchestrate.intake.rollout_limits, for serve's leases)."""
+    size = 2 * (16 * LEASE_TOKENS + 64 * MAX_SAMPLES * LEASE_SEQUENCES) + 4096
+    return FrameLimits(max_bytes=2 * size, max_array=max(MAX_NEW_TOKENS, MAX_SAMPLES * LEASE_SEQUENCES), max_map=16,
+                       max_str=64, max_bin=0)  # fmt: skip
