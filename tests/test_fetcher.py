@@ -17,6 +17,15 @@ from worker.engines.llamacpp import LlamaCppEngine
 from worker.fetcher import VersionFetcher
 
 
+def start_fetcher(worker: Host, learner: Host, engine, spec, publisher: Publisher, running: dict) -> VersionFetcher:
+    """A worker's fetcher following `publisher`'s versions, the engine running running["version"]."""
+    peer = BroadcastPeer(worker, ChunkStore(), learner.addrs[0])
+    peer.join()
+    return VersionFetcher(
+        peer, engine, spec, lambda: publisher.published - 1, lambda: running["version"], poll_s=0.1
+    ).start()
+
+
 def test_the_next_version_is_staged_while_the_engine_runs_the_previous(tiny, tmp_path):
     learner, worker = Host().start(), Host().start()
     try:
@@ -25,12 +34,8 @@ def test_the_next_version_is_staged_while_the_engine_runs_the_previous(tiny, tmp
         publisher.publish(0, publisher.snapshot(tiny.model))
         spec = model_spec(tiny)
         engine = LlamaCppEngine(tmp_path / "engine", threads=2, max_batch=8)
-        peer = BroadcastPeer(worker, ChunkStore(), learner.addrs[0])
-        peer.join()
         running = {"version": -1}
-        fetcher = VersionFetcher(
-            peer, engine, spec, lambda: publisher.published - 1, lambda: running["version"], poll_s=0.1
-        ).start()
+        fetcher = start_fetcher(worker, learner, engine, spec, publisher, running)
         assert fetcher.ready.wait(60)
         staged = fetcher.take()
         assert staged.version == 0 and fetcher.take() is None  # taken once
@@ -92,12 +97,8 @@ def test_a_lora_version_taken_is_not_staged_again_before_it_is_installed(caplog)
         publisher.publish(1, publisher.snapshot(policy.model))  # the adapters alone, on v0
         spec = replace(model_spec(policy), lora_rank=2, lora_alpha=2.0)
         engine = make_engine("transformers", "", threads=1, max_batch=4, device="cpu")
-        peer = BroadcastPeer(worker, ChunkStore(), learner.addrs[0])
-        peer.join()
         running = {"version": -1}
-        fetcher = VersionFetcher(
-            peer, engine, spec, lambda: publisher.published - 1, lambda: running["version"], poll_s=0.1
-        ).start()
+        fetcher = start_fetcher(worker, learner, engine, spec, publisher, running)
         assert fetcher.ready.wait(60)
         staged = fetcher.take()
         assert staged.version == 1
