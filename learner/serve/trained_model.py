@@ -28,9 +28,10 @@ from learner.train.models import load_policy
 from learner.train.trainer import model_device, token_logprobs
 from learner.train.wire_weights import wire_name
 
-TOKENS_PER_PASS = 8192  # padded tokens through the model at once (bounds a pass's activations)
-LOGITS_PER_PASS = 1 << 28  # and tokens x vocabulary: 1 GiB per float32 copy of the logits (a pass holds about 4
-# at its peak: logits, log-softmax and their gradients; rl_loop on SmolLM2 peaked at 10.7 GB with 8192 tokens)
+TOKENS_PER_PASS = 2048  # padded tokens through the model at once (bounds a pass's activations)
+LOGITS_PER_PASS = 1 << 25  # and tokens x vocabulary (128 MiB per float32 copy of the logits). SmolLM2, a step of
+# 64 datums of 175 tokens on 2 CPU cores: passes of 5461 tokens peaked at 12.4 GB (67 s), 1365 at 5.9 GB (48 s),
+# 682 (this bound) at 3.1 GB (52 s): activations and logits both grow with the pass
 
 
 class SharedBase:
