@@ -115,7 +115,7 @@ class SampleBoard:
     def seen(self, peer: str, version: int | None = None, max_batch: object = None) -> None:
         """A message from `peer`; a heartbeat brings its version and batch (a version never published is a lie)."""
         with self._lock:
-            if version is not None and version > self.version:
+            if version is not None and version > self.version + 1:  # (+1: announced before it is the newest here)
                 raise Misbehaviour(f"v{version} was never published (the newest is v{self.version})")
             worker = self.workers.setdefault(peer, SwarmWorker())
             worker.seen = time.monotonic()
@@ -156,7 +156,7 @@ class SampleBoard:
         """The lease a worker holding `version` gets now, if any (module docstring)."""
         now = time.monotonic()
         with self._lock:
-            if version > self.version:
+            if version > self.version + 1:
                 raise Misbehaviour(f"v{version} was never published (the newest is v{self.version})")
             worker = self.workers.setdefault(peer, SwarmWorker())
             worker.seen = worker.asked = now
