@@ -15,7 +15,7 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from learner.serve.sample_queue import SILENCE_S, WAIT_S  # noqa: E402
+from learner.serve import sample_queue  # noqa: E402
 from learner.serve.sampler import SamplerWeights  # noqa: E402
 from learner.serve.service import ServeOptions, make_app  # noqa: E402
 from learner.serve.swarm import SwarmSampler  # noqa: E402
@@ -49,10 +49,12 @@ def wait_for(check, seconds: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def test_a_joined_worker_draws_the_samples_a_tinker_client_asks_for(tmp_path):
+def test_a_joined_worker_draws_the_samples_a_tinker_client_asks_for(tmp_path, monkeypatch):
     """With a worker joined, a trained client's samples come from the worker (verified by replay): their
     logprobs are the training client's forward on the same tokens; stop tokens and stop strings end them where
     they first appear; greedy requests are drawn here. The worker killed, requests are drawn here again."""
+    for name in ("WAIT_S", "SILENCE_S", "LEASE_BASE_S", "ASKED_S"):  # none drawn here for a slow (loaded) machine
+        monkeypatch.setattr(sample_queue, name, 3600.0)
     options = ServeOptions(("tiny",), str(tmp_path / "cache"), "cpu", frozenset({KEY_A}), str(tmp_path / "ckpt"), 3,
                            "/ip4/127.0.0.1/tcp/0", str(tmp_path / "swarm"))  # fmt: skip
     app = make_app(options, sampler_engine)
@@ -147,11 +149,12 @@ def honest(swarm: SwarmSampler, grant) -> list[GroupSubmission]:
     return [GroupSubmission(r.group, cs) for r, cs in zip(grant.requests, groups, strict=True)]
 
 
-def test_the_swarm_side_verifies_every_sample_and_a_forger_is_flagged_and_costs_nobody(side):
+def test_the_swarm_side_verifies_every_sample_and_a_forger_is_flagged_and_costs_nobody(side, monkeypatch):
     """Handlers called as workers would: an honest worker's samples answer the requests (one group per request,
     split to its batch) with the replay's logprobs; forged logprobs, a sample cut short, another worker's
     lease and a lapsed lease are refused, the worker flagged or banned, and its requests drawn here; a worker
     holds one lease at a time; a request no worker leases in time is drawn here."""
+    monkeypatch.setattr(sample_queue, "ASKED_S", 3600.0)  # (a loaded machine may take seconds between two calls)
     swarm = side
     rng = np.random.default_rng(0)
     adapters = {name: rng.normal(0, 0.05, a.shape).astype(np.float32) for name, a in tiny_adapters(swarm).items()}
@@ -220,8 +223,8 @@ def test_the_swarm_side_verifies_every_sample_and_a_forger_is_flagged_and_costs_
     late = [Request(swarm, weights, [9, 4], 2, max_tokens=4) for _ in range(2)]  # (a newer version: idle
     assert all(r.queued for r in late)  # workers hold the last one; they are live while they ask)
     assert len(lease("silent", swarm.board.version).requests) == 1
-    swarm.board.workers["silent"].seen -= SILENCE_S + 1  # it went silent holding its lease
-    swarm.board.queue[0].queued_at -= WAIT_S + 1  # and nobody leased the other in time
+    swarm.board.workers["silent"].seen -= sample_queue.SILENCE_S + 1  # it went silent holding its lease
+    swarm.board.queue[0].queued_at -= sample_queue.WAIT_S + 1  # and nobody leased the other in time
     swarm.board.sweep()  # the lease lapses: its request is drawn here, as is the one left waiting
     assert [r.here for r in late] == [1, 1] and swarm.summary()["leases"] == 0
     assert "silent" not in swarm.board.workers and lease("silent", swarm.board.version) is None  # banned still
