@@ -143,7 +143,7 @@ def serve(
     config: Path | None = typer.Option(None, "--config", help=r"TOML file with a \[serve] table."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
 ) -> None:
-    """Serve the Tinker API to the official `tinker` SDK: training clients so far (docs/tinker.md)."""
+    """Serve the Tinker API to the `tinker` SDK, samples drawn by swarm workers (docs/tinker.md)."""
     from echo_cli.serve import run_server
 
     setup_logging(verbose)
