@@ -242,6 +242,9 @@ class SwarmConfig:
     wire_topk: float = 1.0
     """Share of each weight matrix's coordinates a delta version changes: the largest changes; the rest is
     carried to later versions (error feedback). 1: every change."""
+    chunk_kib: int = 0
+    """KiB per chunk of a published version (0: by its size, 256 KiB to 4 MiB; smaller ones relay sooner between
+    peers on slow links, each costing a request)."""
     chunk_memory_mb: int = 256
     """Published chunks kept in memory, MB; older ones are served from RUN_DIR/chunks on disk."""
     lease_timeout: float = 120.0
@@ -295,6 +298,11 @@ class SwarmConfig:
         require(self.publish_every >= 1, "swarm.publish_every", "must be >= 1")
         require(self.full_every >= 1, "swarm.full_every", "must be >= 1")
         require(0 < self.wire_topk <= 1, "swarm.wire_topk", f"must be in (0, 1], got {self.wire_topk}")
+        require(
+            self.chunk_kib == 0 or 4 <= self.chunk_kib <= 4096,
+            "swarm.chunk_kib",
+            f"must be 0 (by size) or 4 to 4096, got {self.chunk_kib}",
+        )
         require(self.chunk_memory_mb >= 0, "swarm.chunk_memory_mb", f"must be >= 0, got {self.chunk_memory_mb}")
         require(self.lease_timeout > 0, "swarm.lease_timeout", "must be > 0")
         require(self.groups_per_lease >= 1, "swarm.groups_per_lease", "must be >= 1")

@@ -141,7 +141,7 @@ def start_swarm(
         seeder = Seeder(host, store, silence=swarm.worker_silence)
         publisher = Publisher(
             seeder, run_id=secrets.token_hex(8), full_every=swarm.full_every, dtype=swarm.wire_dtype,
-            lora=cfg.model.lora_rank > 0, topk=swarm.wire_topk,
+            lora=cfg.model.lora_rank > 0, topk=swarm.wire_topk, chunk_size=(swarm.chunk_kib << 10) or None,
         )  # fmt: skip
         # the journal: accepted groups and each step's batch, so that a killed learner loses none of them
         resumed = read_journal(run.run_dir, run.start_step) if resume else JournalState()

@@ -51,10 +51,13 @@ def test_a_worker_behind_nat_on_a_lossy_link_trains_and_its_private_address_is_n
     listen = f"/ip4/{netlab.INET_IP}/tcp/0"
     # 32 groups a step and S = 4: the home worker needs seconds to fetch and load a version over its link
     # on a busy CPU, while the public worker alone would have the learner step three times a second (a
-    # worker always further behind than S versions never contributes)
+    # worker always further behind than S versions never contributes). 4 KiB chunks: the tiny model's
+    # versions (0.05-0.2 MB) hold a dozen or more, as a real model's do (one chunk, claimed from the learner
+    # at once by a home worker that has not yet seen the public worker's have-map, never came from it)
     learner = swarm.learner(
-        "--steps", "100000", "--listen", listen, "--prompts-per-step", "32", "--staleness", "4", "-v", within=inet
-    )
+        "--steps", "100000", "--listen", listen, "--prompts-per-step", "32", "--staleness", "4", "--chunk-kib", "4",
+        "-v", within=inet,
+    )  # fmt: skip
     assert swarm.addr.startswith(f"/ip4/{netlab.INET_IP}/tcp/")
     public = swarm.worker("public", "--listen", listen, "--max-groups", "1", "--threads", "1", within=inet)
     home_worker = swarm.worker(
