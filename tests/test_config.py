@@ -34,6 +34,7 @@ def test_toml_then_cli_overrides(tmp_path):
         ("", {"temperature": "0"}, "sampler.temperature: must be > 0"),
         ("", {"wire_topk": "0"}, "swarm.wire_topk: must be in (0, 1]"),
         ("[swarm]\nwire_topk = 1.5\n", {}, "swarm.wire_topk: must be in (0, 1]"),
+        ("", {"chunk_kib": "2"}, "swarm.chunk_kib: must be 0 (by size) or 4 to 4096"),
         ("", {"min_workers": "0"}, "swarm.min_workers: must be >= 1"),
         ("[grpo\n", {}, "is not valid TOML"),
     ],
