@@ -25,7 +25,8 @@ def run_server(cfg: ServeConfig) -> None:
     keys = api_keys(cfg.api_key_file)
     secret = read_secret(cfg.swarm_secret_file) if cfg.swarm_secret_file else None
     options = ServeOptions(cfg.model_names(), cfg.cache_dir, cfg.device, keys, cfg.checkpoint_dir,
-                           cfg.max_models_per_key, cfg.swarm_listen, cfg.swarm_dir, secret)  # fmt: skip
+                           cfg.max_models_per_key, cfg.swarm_listen, cfg.swarm_dir, secret,
+                           cfg.sample_seed)  # fmt: skip
     log.info("serving the Tinker API on http://%s:%d for %s (%d API keys in %s)", cfg.host, cfg.port,
              ", ".join(options.models), len(keys), cfg.api_key_file)  # fmt: skip
     # at most 256 connections at once (more get 503); idle keep-alive connections close after 5 s

@@ -2,7 +2,7 @@
 processes.
 
     .venv/bin/python scripts/bench_cookbook_swarm.py --steps 30 [--recipe rl_loop|math_rl] [--workers 2]
-        [--kill-worker-at 10] [--json]
+        [--kill-worker-at 10] [--sample-seed 7] [--second-tenant] [--json]
 
 In --work (default /tmp/echo-cookbook-swarm) it sets up what the recipe needs offline: tinker-cookbook 0.6.1 in its
 own venv on top of this checkout's .venv (kept in ~/.cache/echo-rl/cookbook-venv), SmolLM2 (the bundled model)
@@ -14,6 +14,10 @@ number; SmolLM2 served as `HuggingFaceTB/SmolLM2-135M-Instruct`, the role_colon 
 `echo-rl serve --swarm-listen`, the workers (transformers engine) and the recipe, kills a worker once
 --kill-worker-at steps are done, and prints the reward of every step and how many sample requests the workers
 drew (the rest were drawn by serve itself).
+
+--second-tenant runs a second copy of the recipe at the same time under another API key (twice the learning
+rate: other adapters on the same base model); with --sample-seed (serve's) the first tenant's figures are then
+the same as in a run without it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ ECHO = [sys.executable, "-m", "echo_cli"]
 COOKBOOK = "tinker-cookbook==0.6.1"
 COOKBOOK_IMPORTS = ["chz", "termcolor", "pylatexenc", "cloudpickle", "blobfile", "lxml", "pycryptodomex"]
 KEY = "tml-cookbook-swarm-bench-key"
+KEY2 = "tml-cookbook-swarm-second-key"
 ALIAS = "meta-llama/Llama-3.2-1B"  # rl_loop's model: a name its model_info knows
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"  # math_rl's (it takes any name with renderer_name)
 
@@ -111,6 +116,8 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--sample-seed", type=int, default=-1, help="serve's --sample-seed (-1: draws afresh)")
+    parser.add_argument("--second-tenant", action="store_true", help="the recipe twice at once, two API keys")
     parser.add_argument("--work", default="/tmp/echo-cookbook-swarm")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args()
@@ -119,7 +126,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     python = cookbook_python()
     prepare(work)
-    (work / "keys").write_text(KEY + "\n")
+    (work / "keys").write_text(f"{KEY}\n{KEY2}\n")
     run = work / f"run-{int(time.time())}"
     port, swarm_dir = free_port(), work / "swarm"
     (swarm_dir / "learner.addr").unlink(missing_ok=True)
@@ -127,7 +134,8 @@ def main() -> None:
     model = ALIAS if args.recipe == "rl_loop" else SMOLLM2
     serve_cmd = ECHO + ["serve", "--port", str(port), "--models", model, "--device", "cpu", "--api-key-file",
                         str(work / "keys"), "--checkpoint-dir", str(work / "checkpoints"), "--swarm-listen",
-                        "/ip4/127.0.0.1/tcp/0", "--swarm-dir", str(swarm_dir), "--sampler-threads", "1"]  # fmt: skip
+                        "/ip4/127.0.0.1/tcp/0", "--swarm-dir", str(swarm_dir), "--sampler-threads", "1",
+                        "--sample-seed", str(args.sample_seed)]  # fmt: skip
     processes: list[subprocess.Popen] = []
     try:
         serve = subprocess.Popen(serve_cmd, cwd=work, stdout=open(work / "serve.log", "w"), stderr=subprocess.STDOUT,
@@ -146,21 +154,32 @@ def main() -> None:
             wait_for(lambda k=k: "now on v0" in (work / f"worker-{k}.log").read_text(), 300, f"worker {k}", w)
         cookbook_env = {**env, "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1",
                         "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(work / "hf_home")}
-        common = [f"model_name={model}", f"base_url=http://127.0.0.1:{port}", f"log_path={run}",
-                  f"group_size={args.group_size}", f"max_tokens={args.max_tokens}", f"max_steps={args.steps}",
-                  "lora_rank=16", f"learning_rate={args.learning_rate}", "loss_fn=importance_sampling"]  # fmt: skip
-        if args.recipe == "rl_loop":
-            recipe = ["tinker_cookbook.recipes.rl_loop", *common, f"batch_size={args.batch_size}", "save_every=0"]
-        else:
-            recipe = ["tinker_cookbook.recipes.math_rl.train", *common, "env=arithmetic", "renderer_name=role_colon",
-                      f"groups_per_batch={args.batch_size}", "behavior_if_log_dir_exists=delete"]  # fmt: skip
-        recipe = [str(python), "-m", *recipe]
+
+        def recipe(log_path: Path, learning_rate: float) -> list[str]:
+            common = [f"model_name={model}", f"base_url=http://127.0.0.1:{port}", f"log_path={log_path}",
+                      f"group_size={args.group_size}", f"max_tokens={args.max_tokens}", f"max_steps={args.steps}",
+                      "lora_rank=16", f"learning_rate={learning_rate}", "loss_fn=importance_sampling"]  # fmt: skip
+            if args.recipe == "rl_loop":
+                return [str(python), "-m", "tinker_cookbook.recipes.rl_loop", *common, f"batch_size={args.batch_size}",
+                        "save_every=0"]  # fmt: skip
+            return [str(python), "-m", "tinker_cookbook.recipes.math_rl.train", *common, "env=arithmetic",
+                    "renderer_name=role_colon", f"groups_per_batch={args.batch_size}",
+                    "behavior_if_log_dir_exists=delete"]  # fmt: skip
+
         tick = time.monotonic()
         recipe_log = open(work / f"{args.recipe}.log", "w")  # noqa: SIM115 - as long as the recipe
-        loop = subprocess.Popen(recipe, cwd=work, stdout=recipe_log, stderr=subprocess.STDOUT, env=cookbook_env)
+        loop = subprocess.Popen(recipe(run, args.learning_rate), cwd=work, stdout=recipe_log, stderr=subprocess.STDOUT,
+                                env=cookbook_env)  # fmt: skip
         processes.append(loop)
+        second = None
+        if args.second_tenant:
+            second_log = open(work / f"{args.recipe}-second.log", "w")  # noqa: SIM115 - as long as the recipe
+            second = subprocess.Popen(recipe(Path(f"{run}-second"), 2 * args.learning_rate), cwd=work,
+                                      stdout=second_log, stderr=subprocess.STDOUT,
+                                      env={**cookbook_env, "TINKER_API_KEY": KEY2})  # fmt: skip
+            processes.append(second)
         killed = None
-        while loop.poll() is None:
+        while loop.poll() is None or (second is not None and second.poll() is None):
             done = len((run / "metrics.jsonl").read_text().splitlines()) if (run / "metrics.jsonl").exists() else 0
             if args.kill_worker_at and killed is None and done >= args.kill_worker_at:
                 workers[-1].send_signal(signal.SIGKILL)
@@ -168,7 +187,7 @@ def main() -> None:
                 print(f"killed worker {len(workers)} after step {done}", file=sys.stderr)
             time.sleep(1.0)
         seconds = time.monotonic() - tick
-        if loop.returncode != 0:
+        if loop.returncode != 0 or (second is not None and second.returncode != 0):
             raise SystemExit(f"{args.recipe} exited with {loop.returncode}: see {work / (args.recipe + '.log')}")
     finally:
         for p in reversed(processes):
@@ -179,24 +198,29 @@ def main() -> None:
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
-    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     key = "reward/total" if args.recipe == "rl_loop" else "env/all/reward/total"
-    rewards = [round(s[key], 4) for s in steps]
+
+    def rewards_of(log_path: Path) -> list[float]:
+        return [round(json.loads(line)[key], 4) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+
+    rewards = rewards_of(run)
     served = [line for line in (work / "serve.log").read_text().splitlines() if "workers drew" in line]
     leases = [int(line.split("after ")[1].split()[0]) for k in range(1, args.workers + 1)
               for line in (work / f"worker-{k}.log").read_text().splitlines() if "worker left after" in line]
     fifth = max(1, len(rewards) // 5)
     out = {
-        "recipe": args.recipe, "steps": len(steps), "seconds": round(seconds, 1), "rewards": rewards,
+        "recipe": args.recipe, "steps": len(rewards), "seconds": round(seconds, 1), "rewards": rewards,
         "first_fifth": round(sum(rewards[:fifth]) / fifth, 4), "last_fifth": round(sum(rewards[-fifth:]) / fifth, 4),
         "killed_after_step": killed, "worker_leases": leases, "serve": served[-1] if served else None, "run": str(run),
+        "sample_seed": args.sample_seed, "second_rewards": rewards_of(Path(f"{run}-second")) if second else None,
     }  # fmt: skip
     if args.json:
         print(json.dumps(out))
         return
     for s, r in enumerate(rewards):
-        print(f"step {s:3d}  reward {r:.3f}")
-    print(f"{len(steps)} steps in {seconds:.0f} s; reward {out['first_fifth']:.3f} (first fifth of the steps) -> "
+        theirs = (out["second_rewards"] or [])[s : s + 1]
+        print(f"step {s:3d}  reward {r:.4f}" + (f"  second tenant {theirs[0]:.4f}" if theirs else ""))
+    print(f"{len(rewards)} steps in {seconds:.0f} s; reward {out['first_fifth']:.3f} (first fifth of the steps) -> "
           f"{out['last_fifth']:.3f} (last fifth); leases per worker {leases}; {out['serve']}")  # fmt: skip
 
 

@@ -318,6 +318,40 @@ def test_tenants_share_a_base_model_and_never_each_others_adapters(base_url):
     assert np.array_equal(alone[1], together[1])
 
 
+def test_with_a_sample_seed_a_loop_draws_the_same_samples_whatever_another_tenant_does(tmp_path):
+    """serve --sample-seed: a sample-then-train loop (unseeded requests, as the cookbook's) run on a fresh server
+    draws the same samples and reaches the very same losses whether or not another key samples and trains on the
+    same base model between its requests (learner.serve.draw_ids); each request still draws its own samples."""
+    tokens, other = [5, 17, 99], [8, 8, 21]
+    params = types.SamplingParams(max_tokens=5, temperature=1.0)
+
+    def run(with_neighbour: bool) -> tuple[list[float], list[list[int]]]:
+        options = ServeOptions(("tiny",), str(tmp_path / "cache"), "cpu", frozenset({KEY_A, KEY_B}),
+                               str(tmp_path / f"ckpt{with_neighbour}"), 3, sample_seed=11)  # fmt: skip
+        with serving(options) as url:
+            tc = client(url, KEY_A).create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+            neighbour = client(url, KEY_B).create_lora_training_client(base_model="tiny", rank=2).result()
+            losses, drawn = [], []
+            for _ in range(3):
+                sampler = tc.save_weights_and_get_sampling_client().result()
+                if with_neighbour:
+                    theirs = neighbour.save_weights_and_get_sampling_client().result()
+                    theirs.sample(types.ModelInput.from_ints(tokens), 4, params).result()  # their prompt: ours
+                    neighbour.forward_backward([datum(other + [3, 4])], "cross_entropy").result()
+                    neighbour.optim_step(types.AdamParams(learning_rate=0.1)).result()
+                futures = [sampler.sample(types.ModelInput.from_ints(tokens), 4, params) for _ in range(2)]
+                samples = [s.tokens for f in futures for s in f.result().sequences]
+                drawn.append(samples)
+                fb = tc.forward_backward([datum(tokens + s) for s in samples if s], "cross_entropy")
+                tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
+                losses.append(fb.result().metrics["loss:sum"])
+            return losses, drawn
+
+    alone, together = run(False), run(True)
+    assert alone == together  # the same samples, the very same losses
+    assert alone[1][0][:4] != alone[1][0][4:]  # two equal requests: each its own draws
+
+
 def test_requests_drawn_in_one_batch_are_each_drawn_from_the_model(tmp_path):
     """asample requests queued on one sampler are drawn together in the engine's waves (prompts of different
     lengths, left-padded): each sample's logprobs are still the model's for its own prompt, each request
@@ -330,7 +364,8 @@ def test_requests_drawn_in_one_batch_are_each_drawn_from_the_model(tmp_path):
     reqs = [types.SampleRequest(prompt=types.ModelInput.from_ints(p), num_samples=2, sampling_params=params)
             for p in prompts]  # fmt: skip
     reqs.append(types.SampleRequest(prompt=types.ModelInput.from_ints([10**6]), num_samples=1, sampling_params=params))
-    drawn = sampler.sample_batch(SamplerWeights("tiny", 0, {}), reqs)
+    draws = [11, 12, 13, 14, 15]
+    drawn = sampler.sample_batch(SamplerWeights("tiny", 0, {}), reqs, draws)
     assert "vocabulary" in str(drawn[-1])
     for prompt, result in zip(prompts, drawn[:-1], strict=True):
         assert len(result.samples) == 2
@@ -338,6 +373,8 @@ def test_requests_drawn_in_one_batch_are_each_drawn_from_the_model(tmp_path):
             want = by_hand_logprobs(prompt + sample.tokens)[len(prompt) - 1 :]
             assert np.allclose(sample.logprobs, want, atol=1e-4)
     assert [s.tokens for s in drawn[0].samples] != [s.tokens for s in drawn[3].samples]  # same prompt, own draws
+    alone = sampler.sample_batch(SamplerWeights("tiny", 0, {}), [reqs[3]], [14])[0]  # its draws, not its batch's
+    assert [s.tokens for s in alone.samples] == [s.tokens for s in drawn[3].samples]
 
 
 @pytest.mark.parametrize("flush", [False, True])

@@ -4,6 +4,7 @@ One test runs the real thing (the SDK, a `worker join` process); the others call
 a worker would, with completions an in-process engine drew honestly, then forged."""
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -99,12 +100,17 @@ def test_a_joined_worker_draws_the_samples_a_tinker_client_asks_for(tmp_path, mo
             long = types.SamplingParams(max_tokens=280, temperature=1.0)  # (about 7000 tokens: a 110 KB answer)
             out = sampler.sample(prompt, num_samples=40, sampling_params=long).result()
             assert len(out.sequences) == 40 and swarm.summary()["answered"] == 6
+            seeded = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7)
+            by_worker = sampler.sample(prompt, num_samples=5, sampling_params=seeded).result()
+            assert swarm.summary()["answered"] == 7
 
             worker.send_signal(signal.SIGKILL)
             worker.wait(30)
             swarm.board.workers.clear()  # (as the sweep does once it has been SILENCE_S without a word from it)
             out = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
-            assert len(out.sequences) == 2 and swarm.summary()["answered"] == 6
+            assert len(out.sequences) == 2 and swarm.summary()["answered"] == 7
+            here = sampler.sample(prompt, num_samples=5, sampling_params=seeded).result()  # its draws, the same
+            assert [s.tokens for s in here.sequences] == [s.tokens for s in by_worker.sequences]  # 16-bit weights
     finally:
         if worker.poll() is None:
             worker.kill()
@@ -123,11 +129,11 @@ class Request:
     """One asample request queued on the swarm side, and what became of it."""
 
     def __init__(self, swarm: SwarmSampler, weights: SamplerWeights, prompt: list[int], n: int, **params) -> None:
-        self.drawn = None
+        self.drawn, self.draw = None, secrets.randbits(63)
         self.here = 0
         req = types.SampleRequest(prompt=types.ModelInput.from_ints(prompt), num_samples=n,
                                   sampling_params=types.SamplingParams(**params), sampling_session_id="s")  # fmt: skip
-        self.queued = swarm.submit(weights, req, self._answer, self._here)
+        self.queued = swarm.submit(weights, req, self.draw, self._answer, self._here)
 
     def _answer(self, drawn) -> None:
         self.drawn = drawn

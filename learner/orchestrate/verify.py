@@ -180,10 +180,10 @@ class Replay:
     logprobs: list[float] = field(default_factory=list, repr=False)
 
 
-def group_draws(seed: int, group_id: int, group: list[Rollout]) -> torch.Tensor:
-    """The draws behind every sampled token of a group, flat in completion order: [N]. An episode's position
-    counts its observation tokens too (p2p.messages.GenerationRequest)."""
-    keys = [(group_id, j, pos) for j, r in enumerate(group) for pos in sampled(r)]
+def group_draws(seed: int, group_id: int, group: list[Rollout], first: int = 0) -> torch.Tensor:
+    """The draws behind every sampled token of a group whose completions are numbered from `first`, flat in
+    completion order: [N]. An episode's position counts its observation tokens too (p2p.messages.GenerationRequest)."""
+    keys = [(group_id, first + j, pos) for j, r in enumerate(group) for pos in sampled(r)]
     return torch.from_numpy(uniforms(seed, keys))
 
 
@@ -266,11 +266,12 @@ class RolloutVerifier:
         return self._rng.random() < self.share(worker)
 
     def measure(
-        self, version: int, seed: int, group_id: int, group: list[Rollout], params: tuple[float, float] | None = None
-    ) -> Replay | None:
-        """Replay a group's sampling (its lease's `seed`, its id, its completions in order) under version
-        `version`, or None if that version is no longer kept. `params`: the lease's (temperature, top_p),
-        where they are not the run's (`echo-rl serve`'s requests each bring theirs)."""
+        self, version: int, seed: int, group_id: int, group: list[Rollout], params: tuple[float, float] | None = None,
+        first: int = 0,
+    ) -> Replay | None:  # fmt: skip
+        """Replay a group's sampling (its lease's `seed`, its id, its completions in order, numbered from `first`)
+        under version `version`, or None if that version is no longer kept. `params`: the lease's (temperature,
+        top_p), where they are not the run's (`echo-rl serve`'s requests each bring theirs)."""
         temperature, top_p = params or (self.temperature, self.top_p)
         with self._replaying:
             if not self._load(version):
@@ -278,7 +279,7 @@ class RolloutVerifier:
             tick = time.perf_counter()
             with torch.no_grad():
                 recomputed, misses = replay_sampling(
-                    self._model, group, temperature, top_p, group_draws(seed, group_id, group)
+                    self._model, group, temperature, top_p, group_draws(seed, group_id, group, first)
                 )
             with self._lock:
                 self.replays += 1
@@ -290,12 +291,12 @@ class RolloutVerifier:
 
     def check(
         self, worker: str, version: int, seed: int, group_id: int, group: list[Rollout],
-        params: tuple[float, float] | None = None,
+        params: tuple[float, float] | None = None, first: int = 0,
     ) -> Replay | None:  # fmt: skip
         """measure() a group of `worker` and flag the worker when d > tolerance, a token's draw misses its
         interval by more than draw_tolerance, or more than off_draw_tolerance of its tokens are off their
         draws. None if the version is no longer kept."""
-        replay = self.measure(version, seed, group_id, group, params)
+        replay = self.measure(version, seed, group_id, group, params, first)
         if replay is None:
             return None
         d, m, o = replay.divergence, replay.draw_miss, replay.off_draw

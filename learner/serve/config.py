@@ -39,6 +39,9 @@ class ServeConfig:
     swarm_secret_file: str = ""
     """File holding the swarm secret (`echo-rl secret`): only workers proving it sample ("": any worker)."""
 
+    sample_seed: int = -1
+    """Unseeded asample requests draw from this seed, the sampler, the prompt and how often it was asked: a
+    recipe run sends the same requests, gets the same samples, here or from workers (-1: each draws afresh)."""
     sampler_threads: int = 2
     """CPU threads the sampler uses (transformers engine, on `device`)."""
     sampler_max_batch: int = 32
@@ -51,6 +54,8 @@ class ServeConfig:
         require(bool(self.model_names()), "serve.models", "must name at least one base model")
         require(DEVICE_NAMES.fullmatch(self.device) is not None, "serve.device",
                 f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")  # fmt: skip
+        seed = self.sample_seed
+        require(-1 <= seed < 1 << 63, "serve.sample_seed", f"must be -1 (afresh) to 2**63 - 1, got {seed}")
         per_key = self.max_models_per_key
         require(per_key >= 1, "serve.max_models_per_key", f"must be >= 1, got {per_key}")
 

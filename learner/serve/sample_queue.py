@@ -49,8 +49,9 @@ class SwarmJob:
 
     req: types.SampleRequest
     prompt: list[int]
+    draw: int  # its draw id (learner.serve.draw_ids): the group id of its groups in a lease
     version: int
-    params: SamplingParams  # stop ids included, no stop_when (the server cuts stop strings); seed 0
+    params: SamplingParams  # stop ids included, no stop_when (the server cuts stop strings); seed DRAW_SEED
     stop_strings: list[str]
     answer: Callable[[Drawn], None]  # the request's result, verified
     here: Callable[[], None]  # draw it on this machine instead
@@ -85,8 +86,16 @@ class SwarmLease:
     jobs: list[SwarmJob]
     group_size: int
     groups: list[int]  # per group, the index of its job in `jobs`
-    seed: int
     deadline: float  # time.monotonic()
+
+    def keys(self) -> list[tuple[int, int]]:
+        """Per group, its draw keys: (its job's draw id, the index of its first completion among the job's)."""
+        seen: dict[int, int] = {}
+        out = []
+        for j in self.groups:
+            out.append((self.jobs[j].draw, seen.get(j, 0) * self.group_size))
+            seen[j] = seen.get(j, 0) + 1
+        return out
 
 
 @dataclass
@@ -185,8 +194,7 @@ class SampleBoard:
             self.queue = [job for job in self.queue if id(job) not in taken]
             groups = [j for j in range(len(jobs)) for _ in range(split)]
             seconds = min(LEASE_BASE_S + len(jobs) * tokens / SLOWEST_TOKENS_S, MAX_LEASE_S)
-            lease = SwarmLease(secrets.randbits(62), peer, version, jobs, group_size, groups, secrets.randbits(62),
-                               now + seconds)  # fmt: skip
+            lease = SwarmLease(secrets.randbits(62), peer, version, jobs, group_size, groups, now + seconds)
             self.leases[lease.lease_id] = lease
             return lease
 

@@ -6,7 +6,8 @@
 
 The engine is a worker's (injected by echo_cli: learner code never imports worker), so tokens are drawn as a
 worker draws them (worker.sampling.generate_waves): a sample's logprobs are those of the distribution it was
-drawn from, temperature and top_p applied (temperature 0: greedy, logprob 0). Stop token ids end a sample in
+drawn from, temperature and top_p applied (temperature 0: greedy, logprob 0), each request's draws keyed by its
+draw id (learner.serve.draw_ids) whatever batch it is drawn in. Stop token ids end a sample in
 the engine, as the model's end-of-turn tokens do; a stop string ends it once the text of its last tokens holds
 one, and the sample is cut after the token that completed it. Prompt logprobs are the model's own
 (temperature 1), from one pass over the prompt. What one request may cost is bounded (MAX_REQUEST_TOKENS):
@@ -16,7 +17,6 @@ each runs whole on the model thread, the keys taking turns between requests.
 from __future__ import annotations
 
 import math
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -24,10 +24,12 @@ from typing import Any
 import numpy as np
 from tinker import types
 
+from learner.serve.draw_ids import DRAW_SEED
 from learner.serve.wire import RequestError
 from learner.train.models import load_policy, model_spec
 from learner.train.wire_weights import wire_tensors
 from p2p.messages import Completion, Engine, GenerationRequest, ModelSpec, SamplingParams, subnormal
+from p2p.weights import to_float32
 
 MAX_SAMPLES = 256  # num_samples of one request
 MAX_NEW_TOKENS = 8192  # max_tokens of one request
@@ -67,21 +69,26 @@ class Drawn:
 class LocalSampler:
     """Samples on this machine with engines from `make_engine` (worker.engines), one per base model."""
 
-    def __init__(self, make_engine: Callable[[], Engine], cache_dir: str) -> None:
-        self.make_engine, self.cache_dir = make_engine, cache_dir
+    def __init__(self, make_engine: Callable[[], Engine], cache_dir: str, as_workers: frozenset[str] = frozenset()):
+        """`as_workers`: base models swarm workers sample too (learner.serve.swarm): their weights and adapters
+        are rounded to the 16 bits the workers hold, so that a request draws from the same weights here."""
+        self.make_engine, self.cache_dir, self.as_workers = make_engine, cache_dir, as_workers
         self.loaded: dict[str, Loaded] = {}
 
-    def sample(self, weights: SamplerWeights, req: types.SampleRequest) -> Drawn:
-        """Draw `req.num_samples` completions of `req.prompt` from `weights` (on the model thread)."""
-        drawn = self.sample_batch(weights, [req])[0]
+    def sample(self, weights: SamplerWeights, req: types.SampleRequest, draw: int = 0) -> Drawn:
+        """Draw `req.num_samples` completions of `req.prompt` from `weights` with draw id `draw` (on the model
+        thread)."""
+        drawn = self.sample_batch(weights, [req], [draw])[0]
         if isinstance(drawn, RequestError):
             raise drawn
         return drawn
 
-    def sample_batch(self, weights: SamplerWeights, reqs: list[types.SampleRequest]) -> list[Drawn | RequestError]:
-        """Draw several requests at once, in the engine's waves (each request its own draws: group = its index):
-        requests batchable() says go together, with the first one's sampling params; a request refused is its
-        RequestError in the list, the others are drawn."""
+    def sample_batch(
+        self, weights: SamplerWeights, reqs: list[types.SampleRequest], draws: list[int]
+    ) -> list[Drawn | RequestError]:
+        """Draw several requests at once, in the engine's waves (each request its own draws: group = its draw id
+        in `draws`): requests batchable() says go together, with the first one's sampling params; a request
+        refused is its RequestError in the list, the others are drawn."""
         loaded = self._load(weights)
         out: list[Drawn | RequestError] = []
         todo: list[tuple[int, list[int]]] = []  # (index, prompt)
@@ -105,7 +112,7 @@ class LocalSampler:
         for i, prompt in todo:
             n = reqs[i].num_samples
             for start in range(0, n, batch):
-                requests.append(GenerationRequest(prompt, min(batch, n - start), group=i, completion=start))
+                requests.append(GenerationRequest(prompt, min(batch, n - start), group=draws[i], completion=start))
                 owner.append(i)
         for i, group in zip(owner, loaded.engine.generate(requests, params), strict=True):
             samples = [cut_at_stop(c, stop_strings, loaded.tokenizer) for c in group] if stop_strings else group
@@ -121,14 +128,21 @@ class LocalSampler:
             policy = load_policy(weights.base_model, self.cache_dir)
             spec = replace(model_spec(policy), lora_rank=1, lora_alpha=1.0)  # a rank: the engine keeps its base
             engine = self.make_engine()
-            engine.load_policy(spec, wire_tensors(policy.model))
+            sixteen = weights.base_model in self.as_workers
+            tensors = wire_tensors(policy.model, "f16" if sixteen else "f32")
+            engine.load_policy(spec, {name: to_float32(a) for name, a in tensors.items()})
             cfg = policy.model.config
             context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
             loaded = Loaded(engine, spec, policy.tokenizer, int(cfg.vocab_size), context)
             self.loaded[weights.base_model] = loaded
         if loaded.current is not weights:
             rank = max(weights.rank, 1)
-            loaded.engine.load_adapters(replace(loaded.spec, lora_rank=rank, lora_alpha=float(rank)), weights.adapters)
+            adapters = weights.adapters
+            if weights.base_model in self.as_workers:  # (unless beyond f16's range: those are never published)
+                rounded = {name: a.astype(np.float16) for name, a in adapters.items()}
+                if all(np.isfinite(a).all() for a in rounded.values()):
+                    adapters = {name: a.astype(np.float32) for name, a in rounded.items()}
+            loaded.engine.load_adapters(replace(loaded.spec, lora_rank=rank, lora_alpha=float(rank)), adapters)
             loaded.current = weights
         return loaded
 
@@ -171,9 +185,8 @@ def request_params(
         stop_ids = frozenset(stop)
     if any(not s for s in stop_strings):
         raise RequestError("asample: an empty stop string")
-    seed = secrets.randbelow(1 << 63) if p.seed is None else p.seed
     stop_when = stop_text_check(stop_strings, tokenizer) if stop_strings else None
-    return SamplingParams(p.temperature, p.top_p, max_tokens, seed, stop_ids, stop_when), stop_strings
+    return SamplingParams(p.temperature, p.top_p, max_tokens, DRAW_SEED, stop_ids, stop_when), stop_strings
 
 
 def check_request(req: types.SampleRequest) -> None:
@@ -217,11 +230,13 @@ def check_request(req: types.SampleRequest) -> None:
 
 def batchable(first: types.SampleRequest, other: types.SampleRequest, tokens: int) -> bool:
     """Whether `other` may be drawn in `first`'s batch (`tokens`: what the batch costs so far): the same
-    sampling params with max_tokens set and no seed, no prompt logprobs, within MAX_REQUEST_TOKENS."""
+    sampling params with max_tokens set, no prompt logprobs, within MAX_REQUEST_TOKENS (a seed only keys the
+    request's own draws)."""
     p = first.sampling_params
-    if p.seed is not None or p.max_tokens is None or first.prompt_logprobs or other.prompt_logprobs:
+    if p.max_tokens is None or first.prompt_logprobs or other.prompt_logprobs:
         return False
-    return other.sampling_params == p and tokens + request_tokens(other) <= MAX_REQUEST_TOKENS
+    same = other.sampling_params.model_copy(update={"seed": None}) == p.model_copy(update={"seed": None})
+    return same and tokens + request_tokens(other) <= MAX_REQUEST_TOKENS
 
 
 def request_tokens(req: types.SampleRequest) -> int:

@@ -43,7 +43,8 @@ async def save_weights_for_sampler(svc: Service, key: str, body: Any) -> dict:
     run = slot.run
     unnamed = req.path is None and req.sampling_session_seq_id is not None
     inflight = unnamed and req.kind == "inflight"  # every inflight sampler of a client samples its latest save
-    saved = slot.inflight if inflight and slot.inflight is not None else Saved(key, run.base_model)
+    name = f"train:{req.model_id.rsplit(':', 1)[-1]}:sample:{req.sampling_session_seq_id}"  # (draw_ids)
+    saved = slot.inflight if inflight and slot.inflight is not None else Saved(key, run.base_model, name)
     sampler_id = f"{slot.session_id}:sample:{req.sampling_session_seq_id}"
 
     def save() -> dict:  # on the model thread, in seq_id order: a refusal too keeps its place
@@ -99,9 +100,10 @@ async def asample(svc: Service, key: str, body: Any) -> dict:
         saved = saved_weights(svc, key, req.model_path, req.base_model)
 
     request_id, future = svc.futures.submit(key)  # (a 429 here queues nothing)
+    draw = svc.draw_ids.draw_id(key, saved.name, req, req.prompt.to_ints())  # its draws, wherever drawn
 
     def here() -> None:
-        sample_here(svc, key, saved, req, future)
+        sample_here(svc, key, saved, req, draw, future)
 
     def answer(drawn: Drawn) -> None:  # (from a swarm handler's thread: the samples a worker drew, verified)
         future.set_result(sample_response(drawn))
@@ -109,7 +111,7 @@ async def asample(svc: Service, key: str, body: Any) -> dict:
     by_workers = False
     if svc.swarm is not None and saved.weights is not None:
         try:  # (off the event loop: publishing a sampler's adapters takes a moment)
-            by_workers = await asyncio.to_thread(svc.swarm.submit, saved.weights, req, answer, here)
+            by_workers = await asyncio.to_thread(svc.swarm.submit, saved.weights, req, draw, answer, here)
         except RequestError as exc:  # (the future's error, as where the request is drawn here)
             future.set_exception(exc)
             by_workers = True
@@ -120,11 +122,12 @@ async def asample(svc: Service, key: str, body: Any) -> dict:
     return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(req.num_samples)]}
 
 
-def sample_here(svc: Service, key: str, saved: Saved, req: types.SampleRequest, future: Future) -> None:
-    """Queue `req` for the local sampler, on the model thread (draw_batch: with the requests that can go with it)."""
-    entry = Draw(req)
+def sample_here(svc: Service, key: str, saved: Saved, req: types.SampleRequest, draw: int, future: Future) -> None:
+    """Queue `req` (draw id `draw`) for the local sampler, on the model thread (draw_batch: with the requests
+    that can go with it)."""
+    entry = Draw(req, draw)
 
-    def draw() -> bytes:  # on the model thread: this request, and those queued after it that can go with it
+    def job() -> bytes:  # on the model thread: this request, and those queued after it that can go with it
         if entry.result is None:
             draw_batch(svc, saved, entry)
         if isinstance(entry.result, BaseException):
@@ -133,7 +136,7 @@ def sample_here(svc: Service, key: str, saved: Saved, req: types.SampleRequest, 
 
     with saved.lock:
         saved.queue.append(entry)
-    svc.thread.run(key, future, draw)
+    svc.thread.run(key, future, job)
 
 
 def sample_response(drawn: Drawn) -> bytes:
@@ -143,9 +146,11 @@ def sample_response(drawn: Drawn) -> bytes:
 
 @dataclass(eq=False)
 class Draw:
-    """An asample request and, once drawn (perhaps in an earlier request's batch), its result."""
+    """An asample request, its draw id (learner.serve.draw_ids) and, once drawn (perhaps in an earlier request's
+    batch), its result."""
 
     req: types.SampleRequest
+    draw: int
     result: Drawn | BaseException | None = None
 
 
@@ -169,7 +174,7 @@ def draw_batch(svc: Service, saved: Saved, entry: Draw) -> None:
             saved.weights = SamplerWeights(saved.base_model, saved.found.run.lora_rank, adapters)
         if saved.weights is None:
             raise RequestError("asample: this sampler's weights were never saved (its save_weights_for_sampler failed)")
-        results: list[Any] = svc.sampler.sample_batch(saved.weights, [d.req for d in batch])
+        results: list[Any] = svc.sampler.sample_batch(saved.weights, [d.req for d in batch], [d.draw for d in batch])
     except Exception as exc:  # noqa: BLE001 - every request of the batch fails with it (logged by its own job)
         results = [exc] * len(batch)
     for drawn, result in zip(batch, results, strict=True):
@@ -180,10 +185,10 @@ def saved_weights(svc: Service, key: str, model_path: str | None, base_model: st
     """The weights a sampler made from a tinker:// path or a base model samples."""
     if model_path is not None:
         found = svc.store.find(key, model_path)
-        return Saved(key, found.run.base_model, None, found)
+        return Saved(key, found.run.base_model, f"{found.kind}:{found.folder.name}", None, found)
     if base_model not in svc.options.models:
         raise RequestError(f"base_model {base_model!r} is not served here; served: {list(svc.options.models)}")
-    return Saved(key, base_model, svc.base_weights(base_model))
+    return Saved(key, base_model, f"base:{base_model}", svc.base_weights(base_model))
 
 
 def add_sampler(svc: Service, sampler_id: str, sampler: Sampler) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 from starlette.requests import Request
 
 from learner.serve.checkpoints import CheckpointStore, Found, RunInfo
+from learner.serve.draw_ids import DrawIds
 from learner.serve.futures import Futures, ModelThread, NotFound, Ordered
 from learner.serve.sampler import LocalSampler, SamplerWeights
 from learner.serve.swarm import SwarmSampler
@@ -46,6 +47,7 @@ class ServeOptions:
     swarm_listen: str = ""  # where workers join to sample (learner.serve.swarm); "": every sample is drawn here
     swarm_dir: str = ""  # the swarm side's identity, its address file (learner.addr) and its chunks
     swarm_secret: bytes | None = None  # only workers proving it sample (p2p.auth)
+    sample_seed: int = -1  # unseeded requests' draws derive from it (learner.serve.draw_ids); < 0: afresh
 
 
 @dataclass
@@ -88,7 +90,9 @@ class Service:
         self.samplers: dict[str, Sampler] = {}  # sampling session id -> what it samples
         self.futures = Futures()
         self.thread = ModelThread()
-        self.sampler = LocalSampler(make_engine, options.cache_dir)
+        as_workers = frozenset(options.models[:1] if options.swarm_listen else ())  # (the swarm's: the first)
+        self.sampler = LocalSampler(make_engine, options.cache_dir, as_workers)
+        self.draw_ids = DrawIds(options.sample_seed)
         self.store = CheckpointStore(options.checkpoint_dir)
         self.shared: dict[str, SharedBase] = {}  # base model -> the copy its training clients share (model thread)
         self._bases: dict[str, SamplerWeights] = {}
@@ -210,6 +214,7 @@ class Saved:
 
     key: str
     base_model: str
+    name: str  # the weights as the client names them (learner.serve.draw_ids): no random session id in it
     weights: SamplerWeights | None = None
     found: Found | None = None
     queue: deque[Any] = field(default_factory=deque)  # its asample requests not drawn yet (sampling_routes.Draw)

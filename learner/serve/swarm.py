@@ -8,9 +8,12 @@
                      (learner.orchestrate.verify: logprobs, draws and off-draw share, at the request's
                      temperature and top_p) and must end where its stop tokens or budget end it; the samples
                      answer the request with the replay's logprobs; a forger is flagged
-    here instead     the local sampler draws greedy, seeded (reproducible whoever joins) and prompt-logprob
-                     requests, `stop=[]`, the base model's own samplers, every request while no worker is
-                     live, and any request whose lease went wrong or that no worker leased in time
+    here instead     the local sampler draws greedy and prompt-logprob requests, `stop=[]`, the base model's
+                     own samplers, every request while no worker is live, and any request whose lease went
+                     wrong or that no worker leased in time
+
+A request's draws are keyed by its draw id (learner.serve.draw_ids: a lease's groups are the draw ids, from
+completion 0 up), so a request draws the same samples here as on a worker, up to float noise.
 
 Workers hold one version at a time: while requests of one sampler are out with them, requests of any other
 sampler are drawn here (the first keeps the workers until its requests are done). Stop strings are cut here
@@ -149,27 +152,28 @@ class SwarmSampler:
     # -- the requests' side (asample, on a thread of its own) ----------------------------------------
 
     def submit(
-        self, weights: SamplerWeights, req: types.SampleRequest, answer: Callable[[Drawn], None],
+        self, weights: SamplerWeights, req: types.SampleRequest, draw: int, answer: Callable[[Drawn], None],
         here: Callable[[], None],
     ) -> bool:  # fmt: skip
-        """Queue `req` for the workers; False where it is drawn here (by the caller): a request workers do not
-        draw (module docstring), no live worker, or another sampler's requests out. Raises RequestError for a
-        request no sampler could draw. Publishing a sampler takes a moment: call it off the event loop."""
+        """Queue `req` (draw id `draw`: the samples it would draw here) for the workers; False where it is drawn
+        here (by the caller): a request workers do not draw (module docstring), no live worker, or another
+        sampler's requests out. Raises RequestError for a request no sampler could draw. Publishing a sampler
+        takes a moment: call it off the event loop."""
         p = req.sampling_params
         if weights.base_model != self.base_model or not weights.adapters:  # (the base itself: version 0, which
             return False  # workers past it do not fetch again)
-        if p.temperature < MIN_TEMPERATURE or req.prompt_logprobs or p.stop == [] or p.seed is not None:
+        if p.temperature < MIN_TEMPERATURE or req.prompt_logprobs or p.stop == []:
             return False
         if req.num_samples * (p.max_tokens or MAX_NEW_TOKENS) > LEASE_TOKENS:  # more than a lease may hold
             return False
         prompt = req.prompt.to_ints()
         params, stop_strings = request_params(req, prompt, self.context, self.vocab, self.tokenizer)
-        params = replace(params, seed=0, stop_when=None)  # (the lease's seed; stop strings are cut here)
+        params = replace(params, stop_when=None)  # (stop strings are cut here)
         with self._publishing:
             if not self.board.live(self.verifier.flagged):
                 return False
             if self.newest is not None and self.newest[0] is weights:
-                self.board.add(SwarmJob(req, prompt, self.newest[1], params, stop_strings, answer, here))
+                self.board.add(SwarmJob(req, prompt, draw, self.newest[1], params, stop_strings, answer, here))
                 return True
             if self.board.busy():  # workers are busy with the newest sampler's requests
                 return False
@@ -180,7 +184,7 @@ class SwarmSampler:
             self.publisher.publish(version, adapters)
             self.verifier.remember(version, adapters, 0)
             self.newest = (weights, version)
-            self.board.publish(version, SwarmJob(req, prompt, version, params, stop_strings, answer, here))
+            self.board.publish(version, SwarmJob(req, prompt, draw, version, params, stop_strings, answer, here))
         return True
 
     # -- the workers' side (the host's handler threads) ----------------------------------------------
@@ -203,9 +207,11 @@ class SwarmSampler:
         lease = self.board.lease(peer, request.version, request.max_groups)
         if lease is None:
             return LeaseReply(wait=0.3, newest=self.board.version).to_wire()
-        prompts = [lease.jobs[j].prompt for j in lease.groups]
-        requests = [GenerationRequest(prompt, lease.group_size, group=g) for g, prompt in enumerate(prompts)]
-        params = replace(lease.jobs[0].params, seed=lease.seed)
+        requests = [
+            GenerationRequest(lease.jobs[j].prompt, lease.group_size, group=draw, completion=first)
+            for j, (draw, first) in zip(lease.groups, lease.keys(), strict=True)
+        ]
+        params = lease.jobs[0].params  # (seed DRAW_SEED: the draw ids key each request's draws)
         seconds = max(lease.deadline - time.monotonic(), 1.0)
         return LeaseReply(LeaseGrant(lease.lease_id, requests, params, lease.version, seconds)).to_wire()
 
@@ -246,7 +252,8 @@ class SwarmSampler:
         submission = RolloutSubmission.from_wire(msg, sizes, params.max_new_tokens, self.vocab)
         if submission.version != lease.version:
             raise Misbehaviour(f"the lease is for v{lease.version}, not v{submission.version}")
-        if [g.group for g in submission.groups] != list(range(len(lease.groups))):
+        keys = lease.keys()
+        if [g.group for g in submission.groups] != [draw for draw, _ in keys]:
             raise Misbehaviour("the lease's groups, in order, are required")
         stops = self.stop_default | (params.stop_ids or frozenset())
         groups = []
@@ -258,8 +265,9 @@ class SwarmSampler:
                     self.verifier.flag(peer, "a sample does not end where the lease's stop tokens or budget end it")
                     raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
             rollouts = [Rollout(prompt, c.tokens, c.logprobs, 0.0, 0.0, lease.version) for c in group.completions]
+            draw, first = keys[g]
             replay = self.verifier.check(
-                peer, lease.version, lease.seed, g, rollouts, (params.temperature, params.top_p)
+                peer, lease.version, params.seed, draw, rollouts, (params.temperature, params.top_p), first
             )
             if peer in self.verifier.flagged:
                 raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
