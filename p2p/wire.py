@@ -38,6 +38,14 @@ REQUEST_LIMITS = FrameLimits(max_bytes=64 * 1024, max_array=4096, max_map=64, ma
 """The default for requests a host serves: every request but a rollout submission is small."""
 
 
+def rollout_frame_limits(tokens: int, completions: int, arrays: int) -> FrameLimits:
+    """What a rollout submission of `completions` samples holding `tokens` tokens in all may take: 16 bytes of
+    msgpack per token (an int and a float64), 64 per sample and 4 KiB of framing, twice that as slack; no
+    array longer than `arrays`."""
+    size = 16 * tokens + 64 * completions + 4096
+    return FrameLimits(max_bytes=2 * size, max_array=arrays, max_map=16, max_str=64, max_bin=0)
+
+
 class FrameError(ValueError):
     """A frame that breaks the format or a size limit; the stream carrying it must be dropped."""
 

@@ -246,3 +246,78 @@ def tiny_adapters(swarm: SwarmSampler) -> dict[str, np.ndarray]:
             out[f"{stem}.lora_A.weight"] = np.zeros((4, a.shape[1]), np.float32)
             out[f"{stem}.lora_B.weight"] = np.zeros((a.shape[0], 4), np.float32)
     return out
+
+
+def test_nothing_a_worker_sends_the_swarm_side_raises_anything_but_a_refusal(side, monkeypatch):
+    """Hostile frames at serve's swarm handlers (wrong types, NaN and infinite logprobs, token ids outside the
+    vocabulary or 64 bits wide, lengths that disagree, another lease's id, a version never published): each is
+    refused as a BadRequest or MessageError (a reply to the peer, a penalty), never another exception (a stack
+    trace in serve's log, and no cost to the sender); a lease answered with garbage is drawn here and its worker
+    banned; an honest worker still gets the next request."""
+    from p2p.host import BadRequest
+    from p2p.messages import MessageError
+
+    monkeypatch.setattr(sample_queue, "ASKED_S", 3600.0)
+    swarm = side
+    weights = SamplerWeights("tiny", 4, tiny_adapters(swarm))
+    refusals = (BadRequest, MessageError)
+
+    def refused(handler, peer: str, msg: object) -> None:
+        with pytest.raises(refusals):
+            handler(peer, msg)
+
+    garbage: list[object] = [{}, {"version": "7"}, {"version": -2}, {"version": 2**70}, {"version": float("nan")},
+                             {"version": 0, "max_groups": 2**80}, {"version": [0]}, {"hardware": [1]}]  # fmt: skip
+    for msg in garbage:
+        for handler in (swarm._on_lease, swarm._on_rollout):
+            refused(handler, "stranger", msg)
+    swarm._on_heartbeat("stranger", {"version": 0, "hardware": {"max_batch": 10**30}})  # (an absurd batch: ignored)
+    assert swarm.board.workers["stranger"].max_batch <= 256
+
+    def leased(peer: str):
+        swarm._on_heartbeat(peer, Heartbeat(0, 0.0, 0.0, {"max_batch": 4}).to_wire())
+        assert LeaseReply.from_wire(swarm._on_lease(peer, LeaseRequest(0, 8).to_wire())).grant is None
+        request = Request(swarm, weights, [5, 17, 3], 2, max_tokens=4, temperature=1.0)
+        assert request.queued
+        version = swarm.board.version
+        swarm._on_heartbeat(peer, Heartbeat(version, 0.0, 0.0, {"max_batch": 4}).to_wire())
+        grant = LeaseReply.from_wire(swarm._on_lease(peer, LeaseRequest(version, 8).to_wire())).grant
+        return request, grant, RolloutSubmission(grant.id, version, honest(swarm, grant)).to_wire()
+
+    def spoil(**change):
+        def apply(msg: dict) -> dict:
+            c = msg["groups"][0]["completions"][0]
+            for key, value in change.items():
+                c[key] = value(c[key]) if callable(value) else value
+            return msg
+
+        return apply
+
+    spoils = [
+        spoil(logprobs=lambda xs: [float("nan")] * len(xs)),
+        spoil(logprobs=lambda xs: [float("inf")] * len(xs)),
+        spoil(logprobs=lambda xs: [-1e308] * len(xs)),
+        spoil(logprobs=lambda xs: xs[:-1]),
+        spoil(tokens=lambda ts: [10**6] * len(ts)),
+        spoil(tokens=lambda ts: [2**64 + 1] * len(ts)),
+        spoil(tokens=lambda ts: [-1] * len(ts)),
+        spoil(tokens=lambda ts: [float(t) for t in ts]),
+        spoil(tokens=lambda ts: []),
+        spoil(finish="done"),
+        lambda msg: msg | {"version": msg["version"] + 1},
+        lambda msg: msg | {"groups": msg["groups"] * 2},  # a group the lease does not hold
+        lambda msg: msg | {"groups": [{"group": "0", "completions": g["completions"]} for g in msg["groups"]]},
+        lambda msg: msg | {"groups": [g | {"group": g["group"] ^ 1} for g in msg["groups"]]},  # another draw id
+        lambda msg: msg | {"lease": msg["lease"] ^ 1},
+    ]
+    for k, ruin in enumerate(spoils):
+        peer = f"hostile-{k}"
+        request, grant, msg = leased(peer)
+        refused(swarm._on_rollout, peer, ruin(msg))
+        assert request.here == 1 or swarm.board.leases  # drawn here, or (a wrong lease id) still out with it
+        swarm.board.leases.clear()  # (its lapse, without waiting for it)
+        swarm.board.queue.clear()
+
+    request, grant, msg = leased("honest-after")
+    assert swarm._on_rollout("honest-after", msg)["accepted"] == len(grant.requests)
+    assert len(request.drawn.samples) == 2

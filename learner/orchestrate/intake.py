@@ -41,7 +41,7 @@ from learner.tasks import Problem, Task, step_seed
 from learner.train.models import Policy
 from p2p.host import BadRequest, Misbehaviour
 from p2p.messages import GenerationRequest, MessageError, RolloutReply, RolloutSubmission
-from p2p.wire import FrameLimits
+from p2p.wire import FrameLimits, rollout_frame_limits
 
 FORGOTTEN = 4096  # scored groups remembered, so that a draw under way as one is scored does not keep it again
 ANSWERED_KEPT = 1024  # replies to submissions kept, so that a worker's resend gets the same answer
@@ -297,13 +297,11 @@ def completion_tokens(cfg: LearnerConfig) -> int:
 
 def rollout_limits(cfg: LearnerConfig) -> FrameLimits:
     """What one rollout submission may hold: a lease's groups of G completions of at most completion_tokens
-    tokens, at most 16 bytes of msgpack per token (an int and a float64) plus framing; twice that, as slack.
-    With --eval-every, at least an evaluation lease's completions."""
+    tokens (p2p.wire.rollout_frame_limits). With --eval-every, at least an evaluation lease's completions."""
     grpo, tokens = cfg.grpo, completion_tokens(cfg)
     completions, groups = cfg.swarm.groups_per_lease * grpo.group_size, cfg.swarm.groups_per_lease
     if cfg.eval.eval_every:  # an evaluation lease: a greedy and a k-sample group per held-out prompt
         completions = max(completions, cfg.eval.eval_prompts * (1 + cfg.eval.eval_samples))
         groups = max(groups, 2 * cfg.eval.eval_prompts)
-    size = completions * (16 * tokens + 64) + 4096
     arrays = max(tokens, grpo.group_size, cfg.eval.eval_samples, groups, 2 * cfg.env.max_turns, 16)  # spans too
-    return FrameLimits(max_bytes=2 * size, max_array=arrays, max_map=16, max_str=64, max_bin=0)
+    return rollout_frame_limits(completions * tokens, completions, arrays)

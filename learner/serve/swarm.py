@@ -71,7 +71,7 @@ from p2p.messages import (
     SpecReply,
     SpecRequest,
 )
-from p2p.wire import FrameLimits
+from p2p.wire import FrameLimits, rollout_frame_limits
 
 log = logging.getLogger(__name__)
 
@@ -307,9 +307,8 @@ class SwarmSampler:
 
 
 def rollout_limits() -> FrameLimits:
-    """What one submission may hold: twice LEASE_TOKENS tokens (the first request is leased whole, its groups
-    rounded up to the worker's batch) at 16 bytes of msgpack each (an int, a float64) and 64 bytes per sample,
-    twice that as slack (learner.orchestrate.intake.rollout_limits, for serve's leases)."""
-    size = 2 * (16 * LEASE_TOKENS + 64 * MAX_SAMPLES * LEASE_SEQUENCES) + 4096
-    return FrameLimits(max_bytes=2 * size, max_array=max(MAX_NEW_TOKENS, MAX_SAMPLES * LEASE_SEQUENCES), max_map=16,
-                       max_str=64, max_bin=0)  # fmt: skip
+    """What one submission may hold (p2p.wire.rollout_frame_limits): twice LEASE_TOKENS tokens (the first request
+    is leased whole, its groups rounded up to the worker's batch) and twice the samples of LEASE_SEQUENCES
+    requests."""
+    samples = MAX_SAMPLES * LEASE_SEQUENCES
+    return rollout_frame_limits(2 * LEASE_TOKENS, 2 * samples, max(MAX_NEW_TOKENS, samples))
