@@ -321,3 +321,45 @@ def test_nothing_a_worker_sends_the_swarm_side_raises_anything_but_a_refusal(sid
     request, grant, msg = leased("honest-after")
     assert swarm._on_rollout("honest-after", msg)["accepted"] == len(grant.requests)
     assert len(request.drawn.samples) == 2
+
+
+@pytest.mark.parametrize("family", __import__("tests.families", fromlist=["FAMILIES"]).FAMILIES)
+def test_every_family_draws_a_request_alike_on_a_worker_and_here(family, tmp_path, monkeypatch):
+    """Each family's tiny model served with workers, a sampler trained two steps (adapters on the tied output
+    layer too): an honest worker's samples pass the replay and answer the request, and the server's own
+    sampler (the swarm's 16-bit weights) draws the very same tokens for the same draw id."""
+    import torch
+
+    from learner.serve.sampler import LocalSampler
+    from learner.serve.trained_model import SharedBase, TrainedModel
+    from learner.serve.wire import Datum, ForwardBackward
+    from tests.families import save_family
+
+    monkeypatch.setattr(sample_queue, "ASKED_S", 3600.0)
+    folder = str(save_family(family, tmp_path / family))
+    served = TrainedModel(SharedBase(folder, "unused", "cpu"), lora_rank=4, head=True)
+    tokens = np.array([5, 17, 99, 3, 42, 7, 61])
+    for _ in range(2):
+        served.forward_backward(ForwardBackward("m", 1, "cross_entropy", {}, False, [
+            Datum(tokens[:-1], {"target_tokens": tokens[1:]})]))  # fmt: skip
+        served.optim_step(0.05, (0.9, 0.95), 1e-8, 0.0, 1.0)
+    weights = SamplerWeights(folder, 4, served.adapter_tensors())
+    torch.set_num_threads(2)
+    swarm = SwarmSampler(folder, str(tmp_path / "cache"), "/ip4/127.0.0.1/tcp/0", str(tmp_path / "side"))
+    try:
+        swarm._on_heartbeat("w", Heartbeat(0, 0.0, 0.0, {"max_batch": 4}).to_wire())
+        assert LeaseReply.from_wire(swarm._on_lease("w", LeaseRequest(0, 8).to_wire())).grant is None
+        request = Request(swarm, weights, [5, 17, 3], 6, max_tokens=6, temperature=1.0)
+        assert request.queued
+        version = swarm.board.version
+        grant = LeaseReply.from_wire(swarm._on_lease("w", LeaseRequest(version, 8).to_wire())).grant
+        assert [r.completion for r in grant.requests] == [0, 3]  # 6 samples, a batch of 4: 2 groups of 3
+        swarm._on_rollout("w", RolloutSubmission(grant.id, version, honest(swarm, grant)).to_wire())
+        by_worker = [s.tokens for s in request.drawn.samples]
+    finally:
+        swarm.close()
+    local = LocalSampler(sampler_engine, str(tmp_path / "cache"), frozenset({folder}))
+    req = types.SampleRequest(prompt=types.ModelInput.from_ints([5, 17, 3]), num_samples=6,
+                              sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0))  # fmt: skip
+    here = [s.tokens for s in local.sample(weights, req, request.draw).samples]  # (in waves of 4: 4 + 2)
+    assert here == by_worker, family
