@@ -27,6 +27,7 @@ import zstandard
 ZSTD_LEVEL = 3
 MIN_CHUNK, MAX_CHUNK = 256 * 1024, 4 * 1024 * 1024  # bytes
 CHUNKS_PER_VERSION = 128
+MOST_CHUNKS = 1 << 15  # a version's chunks at most: its manifest (~70 bytes a chunk) must fit a reply frame
 
 
 def chunk_size_for(payload_size: int) -> int:
@@ -196,6 +197,7 @@ def decode_sparse(payload: bytes, raw_size: int, base_raw: bytes) -> bytearray:
 
 
 def split_chunks(payload: bytes, chunk_size: int | None = None) -> list[bytes]:
-    """`payload` cut into chunks of `chunk_size` bytes (None: chunk_size_for the payload)."""
-    chunk_size = chunk_size or chunk_size_for(len(payload))
+    """`payload` cut into chunks of `chunk_size` bytes (None: chunk_size_for the payload), larger where that
+    would make more than MOST_CHUNKS."""
+    chunk_size = max(chunk_size or chunk_size_for(len(payload)), -(-len(payload) // MOST_CHUNKS))
     return [payload[i : i + chunk_size] for i in range(0, len(payload), chunk_size)] or [b""]

@@ -200,8 +200,9 @@ def main() -> None:
                 p.kill()
     key = "reward/total" if args.recipe == "rl_loop" else "env/all/reward/total"
 
-    def rewards_of(log_path: Path) -> list[float]:
-        return [round(json.loads(line)[key], 4) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+    def rewards_of(log_path: Path, name: str = key) -> list[float | None]:
+        steps = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+        return [round(s[name], 4) if name in s else None for s in steps]
 
     rewards = rewards_of(run)
     served = [line for line in (work / "serve.log").read_text().splitlines() if "workers drew" in line]
@@ -212,7 +213,8 @@ def main() -> None:
         "recipe": args.recipe, "steps": len(rewards), "seconds": round(seconds, 1), "rewards": rewards,
         "first_fifth": round(sum(rewards[:fifth]) / fifth, 4), "last_fifth": round(sum(rewards[-fifth:]) / fifth, 4),
         "killed_after_step": killed, "worker_leases": leases, "serve": served[-1] if served else None, "run": str(run),
-        "sample_seed": args.sample_seed, "second_rewards": rewards_of(Path(f"{run}-second")) if second else None,
+        "grad_norms": rewards_of(run, "grad_norm:mean"), "sample_seed": args.sample_seed,
+        "second_rewards": rewards_of(Path(f"{run}-second")) if second else None,
     }  # fmt: skip
     if args.json:
         print(json.dumps(out))

@@ -53,7 +53,7 @@ def wait_for(check, seconds: float, what: str) -> None:
 def test_a_joined_worker_draws_the_samples_a_tinker_client_asks_for(tmp_path, monkeypatch):
     """With a worker joined, a trained client's samples come from the worker (verified by replay): their
     logprobs are the training client's forward on the same tokens; stop tokens and stop strings end them where
-    they first appear; greedy requests are drawn here. The worker killed, requests are drawn here again."""
+    they first appear; greedy and seeded requests are drawn here. The worker killed, requests are drawn here again."""
     for name in ("WAIT_S", "SILENCE_S", "LEASE_BASE_S", "ASKED_S"):  # none drawn here for a slow (loaded) machine
         monkeypatch.setattr(sample_queue, name, 3600.0)
     options = ServeOptions(("tiny",), str(tmp_path / "cache"), "cpu", frozenset({KEY_A}), str(tmp_path / "ckpt"), 3,
@@ -101,16 +101,14 @@ def test_a_joined_worker_draws_the_samples_a_tinker_client_asks_for(tmp_path, mo
             out = sampler.sample(prompt, num_samples=40, sampling_params=long).result()
             assert len(out.sequences) == 40 and swarm.summary()["answered"] == 6
             seeded = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7)
-            by_worker = sampler.sample(prompt, num_samples=5, sampling_params=seeded).result()
-            assert swarm.summary()["answered"] == 7
+            sampler.sample(prompt, num_samples=5, sampling_params=seeded).result()
+            assert swarm.summary()["answered"] == 6  # seeded: here, to repeat bit for bit
 
             worker.send_signal(signal.SIGKILL)
             worker.wait(30)
             swarm.board.workers.clear()  # (as the sweep does once it has been SILENCE_S without a word from it)
             out = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
-            assert len(out.sequences) == 2 and swarm.summary()["answered"] == 7
-            here = sampler.sample(prompt, num_samples=5, sampling_params=seeded).result()  # its draws, the same
-            assert [s.tokens for s in here.sequences] == [s.tokens for s in by_worker.sequences]  # 16-bit weights
+            assert len(out.sequences) == 2 and swarm.summary()["answered"] == 6
     finally:
         if worker.poll() is None:
             worker.kill()

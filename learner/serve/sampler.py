@@ -202,6 +202,8 @@ def check_request(req: types.SampleRequest) -> None:
     n_prompt = req.prompt.length
     if not 1 <= n_prompt <= 1 << 20:
         raise RequestError(f"asample: the prompt has {n_prompt} tokens; send 1 or more")
+    if not all(0 <= t < 1 << 31 for c in req.prompt.chunks for t in c.tokens):  # (each model's vocabulary later)
+        raise RequestError("asample: a prompt token id is outside 0 to 2**31 - 1")
     if not 1 <= req.num_samples <= MAX_SAMPLES:
         raise RequestError(f"asample: num_samples {req.num_samples} must be 1 to {MAX_SAMPLES}")
     # (from the bits first: under the learner's flush-to-zero a subnormal temperature compares equal to 0)
@@ -230,13 +232,12 @@ def check_request(req: types.SampleRequest) -> None:
 
 def batchable(first: types.SampleRequest, other: types.SampleRequest, tokens: int) -> bool:
     """Whether `other` may be drawn in `first`'s batch (`tokens`: what the batch costs so far): the same
-    sampling params with max_tokens set, no prompt logprobs, within MAX_REQUEST_TOKENS (a seed only keys the
-    request's own draws)."""
+    sampling params with max_tokens set and no seed (a seeded request is drawn alone, so that it repeats bit for
+    bit), no prompt logprobs, within MAX_REQUEST_TOKENS."""
     p = first.sampling_params
-    if p.max_tokens is None or first.prompt_logprobs or other.prompt_logprobs:
+    if p.seed is not None or p.max_tokens is None or first.prompt_logprobs or other.prompt_logprobs:
         return False
-    same = other.sampling_params.model_copy(update={"seed": None}) == p.model_copy(update={"seed": None})
-    return same and tokens + request_tokens(other) <= MAX_REQUEST_TOKENS
+    return other.sampling_params == p and tokens + request_tokens(other) <= MAX_REQUEST_TOKENS
 
 
 def request_tokens(req: types.SampleRequest) -> int:

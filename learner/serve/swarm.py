@@ -8,12 +8,14 @@
                      (learner.orchestrate.verify: logprobs, draws and off-draw share, at the request's
                      temperature and top_p) and must end where its stop tokens or budget end it; the samples
                      answer the request with the replay's logprobs; a forger is flagged
-    here instead     the local sampler draws greedy and prompt-logprob requests, `stop=[]`, the base model's
-                     own samplers, every request while no worker is live, and any request whose lease went
-                     wrong or that no worker leased in time
+    here instead     the local sampler draws greedy, seeded (repeated bit for bit) and prompt-logprob requests,
+                     `stop=[]`, the base model's own samplers, every request while no worker is live, and
+                     any request whose lease went wrong or that no worker leased in time
 
 A request's draws are keyed by its draw id (learner.serve.draw_ids: a lease's groups are the draw ids, from
-completion 0 up), so a request draws the same samples here as on a worker, up to float noise.
+completion 0 up), so a request draws the same samples here as on a worker, up to float noise (and to what the
+replay lets a worker steer: docs/security.md). With workers, the local sampler holds the first model's weights
+and adapters rounded to 16 bits as they do (learner.serve.sampler, `as_workers`).
 
 Workers hold one version at a time: while requests of one sampler are out with them, requests of any other
 sampler are drawn here (the first keeps the workers until its requests are done). Stop strings are cut here
@@ -162,7 +164,7 @@ class SwarmSampler:
         p = req.sampling_params
         if weights.base_model != self.base_model or not weights.adapters:  # (the base itself: version 0, which
             return False  # workers past it do not fetch again)
-        if p.temperature < MIN_TEMPERATURE or req.prompt_logprobs or p.stop == []:
+        if p.temperature < MIN_TEMPERATURE or req.prompt_logprobs or p.stop == [] or p.seed is not None:
             return False
         if req.num_samples * (p.max_tokens or MAX_NEW_TOKENS) > LEASE_TOKENS:  # more than a lease may hold
             return False
