@@ -187,8 +187,11 @@ def main() -> None:
                 print(f"killed worker {len(workers)} after step {done}", file=sys.stderr)
             time.sleep(1.0)
         seconds = time.monotonic() - tick
-        if loop.returncode != 0 or (second is not None and second.returncode != 0):
+        if loop.returncode != 0:
             raise SystemExit(f"{args.recipe} exited with {loop.returncode}: see {work / (args.recipe + '.log')}")
+        if second is not None and second.returncode != 0:
+            raise SystemExit(f"the second tenant's {args.recipe} exited with {second.returncode}: see "
+                             f"{work / (args.recipe + '-second.log')}")  # fmt: skip
     finally:
         for p in reversed(processes):
             if p.poll() is None:

@@ -397,6 +397,17 @@ def test_a_subnormal_temperature_is_refused_even_under_flush_to_zero(flush):
         torch.set_flush_denormal(False)
 
 
+def test_a_prompt_token_id_beyond_31_bits_is_refused_before_anything_hashes_it():
+    from learner.serve.sampler import check_request
+    from learner.serve.wire import RequestError
+
+    for token in (2**64 + 5, 2**31, -1):
+        req = types.SampleRequest(prompt=types.ModelInput.from_ints([1, token]), num_samples=1,
+                                  sampling_params=types.SamplingParams(max_tokens=4))  # fmt: skip
+        with pytest.raises(RequestError, match="token id"):
+            check_request(req)
+
+
 def test_a_checkpoint_swapped_half_way_by_a_crash_is_put_back_at_the_next_start(tmp_path):
     """A save renames the old checkpoint aside, the new one into place, then deletes the old: a crash between
     the renames leaves only .NAME.old, which the next start puts back; a leftover .NAME.tmp is removed."""
