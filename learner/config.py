@@ -244,7 +244,7 @@ class SwarmConfig:
     carried to later versions (error feedback). 1: every change."""
     chunk_kib: int = 0
     """KiB per chunk of a published version (0: by its size, 256 KiB to 4 MiB; smaller ones relay sooner between
-    peers on slow links, each costing a request; larger where a version would have over 32768)."""
+    peers on slow links, each costing a request; larger where a version would have over 4096)."""
     chunk_memory_mb: int = 256
     """Published chunks kept in memory, MB; older ones are served from RUN_DIR/chunks on disk."""
     lease_timeout: float = 120.0

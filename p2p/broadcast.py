@@ -53,7 +53,7 @@ from functools import partial
 from typing import Any
 
 from p2p.chunk_store import ChunkStore
-from p2p.codec import encode, sha256, split_chunks
+from p2p.codec import encode, sha256
 from p2p.host import BadRequest, Host, Misbehaviour, PeerUnavailable, RemoteError
 from p2p.manifest import Manifest
 from p2p.peer_list import (
@@ -689,9 +689,11 @@ class BroadcastPeer(ChunkServer):
         full snapshot; if every chunk matches the signed manifest, the snapshot replaces the delta in our
         store (we serve it to joiners and restart from it) at the cost of a compression, not a download.
         A different zstd build may compress differently: then nothing is kept, and joiners fetch it elsewhere."""
-        sizes = [size for _, size in snapshot.chunks]
-        chunks = split_chunks(encode(raw), sizes[0] if sizes else 1)
-        if [(sha256(c), len(c)) for c in chunks] != [tuple(c) for c in snapshot.chunks]:
+        encoded, chunks, start = encode(raw), [], 0
+        for _, size in snapshot.chunks:  # cut where the manifest cuts
+            chunks.append(encoded[start : start + size])
+            start += size
+        if start != len(encoded) or [(sha256(c), len(c)) for c in chunks] != [tuple(c) for c in snapshot.chunks]:
             self.stats["snapshots_not_derived"] += 1
             log.info("v%d: our encoding of its full snapshot differs from the learner's; not kept", snapshot.version)
             return

@@ -27,7 +27,9 @@ import zstandard
 ZSTD_LEVEL = 3
 MIN_CHUNK, MAX_CHUNK = 256 * 1024, 4 * 1024 * 1024  # bytes
 CHUNKS_PER_VERSION = 128
-MOST_CHUNKS = 1 << 15  # a version's chunks at most: its manifest (~70 bytes a chunk) must fit a reply frame
+# chunks a version may have beyond its default count when a smaller chunk size is asked for: a manifest costs
+# ~72 bytes a chunk, and a joining worker's reply holds a snapshot's and up to ~20 deltas' in one 8 MiB frame
+MOST_CHUNKS = 4096
 
 
 def chunk_size_for(payload_size: int) -> int:
@@ -197,7 +199,11 @@ def decode_sparse(payload: bytes, raw_size: int, base_raw: bytes) -> bytearray:
 
 
 def split_chunks(payload: bytes, chunk_size: int | None = None) -> list[bytes]:
-    """`payload` cut into chunks of `chunk_size` bytes (None: chunk_size_for the payload), larger where that
-    would make more than MOST_CHUNKS."""
-    chunk_size = max(chunk_size or chunk_size_for(len(payload)), -(-len(payload) // MOST_CHUNKS))
+    """`payload` cut into chunks of `chunk_size` bytes (None: chunk_size_for the payload); a size asked for is
+    raised where it would make more than MOST_CHUNKS chunks (never above chunk_size_for's)."""
+    default = chunk_size_for(len(payload))
+    if chunk_size is None:
+        chunk_size = default
+    else:
+        chunk_size = max(chunk_size, min(default, -(-len(payload) // MOST_CHUNKS)))
     return [payload[i : i + chunk_size] for i in range(0, len(payload), chunk_size)] or [b""]

@@ -17,7 +17,7 @@ drew (the rest were drawn by serve itself).
 
 --second-tenant runs a second copy of the recipe at the same time under another API key (twice the learning
 rate: other adapters on the same base model); with --sample-seed (serve's) the first tenant's figures are then
-the same as in a run without it.
+the same as in a run without it, up to float noise (a token near its draw's edge).
 """
 
 from __future__ import annotations
@@ -203,9 +203,9 @@ def main() -> None:
                 p.kill()
     key = "reward/total" if args.recipe == "rl_loop" else "env/all/reward/total"
 
-    def rewards_of(log_path: Path, name: str = key) -> list[float | None]:
+    def rewards_of(log_path: Path, name: str = key) -> list:  # (grad_norm: None where a step has none)
         steps = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
-        return [round(s[name], 4) if name in s else None for s in steps]
+        return [round(s[name], 4) if name in s or name == key else None for s in steps]
 
     rewards = rewards_of(run)
     served = [line for line in (work / "serve.log").read_text().splitlines() if "workers drew" in line]

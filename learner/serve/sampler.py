@@ -202,8 +202,6 @@ def check_request(req: types.SampleRequest) -> None:
     n_prompt = req.prompt.length
     if not 1 <= n_prompt <= 1 << 20:
         raise RequestError(f"asample: the prompt has {n_prompt} tokens; send 1 or more")
-    if not all(0 <= t < 1 << 31 for c in req.prompt.chunks for t in c.tokens):  # (each model's vocabulary later)
-        raise RequestError("asample: a prompt token id is outside 0 to 2**31 - 1")
     if not 1 <= req.num_samples <= MAX_SAMPLES:
         raise RequestError(f"asample: num_samples {req.num_samples} must be 1 to {MAX_SAMPLES}")
     # (from the bits first: under the learner's flush-to-zero a subnormal temperature compares equal to 0)
@@ -217,6 +215,8 @@ def check_request(req: types.SampleRequest) -> None:
     if request_tokens(req) > MAX_REQUEST_TOKENS:
         raise RequestError(f"asample: num_samples x (prompt + max_tokens) must stay within {MAX_REQUEST_TOKENS} "
                            "tokens; send fewer samples per request")  # fmt: skip
+    if not all(0 <= t < 1 << 31 for c in req.prompt.chunks for t in c.tokens):  # (each model's vocabulary later)
+        raise RequestError("asample: a prompt token id is outside 0 to 2**31 - 1")
     if p.top_k not in (-1, 0):
         raise RequestError(f"asample: top_k {p.top_k}: echo-rl samples with top_p only; send top_k=-1")
     if p.seed is not None and not 0 <= p.seed < 1 << 63:

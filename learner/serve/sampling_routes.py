@@ -100,7 +100,11 @@ async def asample(svc: Service, key: str, body: Any) -> dict:
         saved = saved_weights(svc, key, req.model_path, req.base_model)
 
     request_id, future = svc.futures.submit(key)  # (a 429 here queues nothing)
-    draw = svc.draw_ids.draw_id(key, saved.name, req, req.prompt.to_ints())  # its draws, wherever drawn
+    try:
+        draw = svc.draw_ids.draw_id(key, saved.name, req, req.prompt.to_ints())  # its draws, wherever drawn
+    except Exception as exc:  # (a bug of ours: the future must not stay open, it counts against the key)
+        future.set_exception(exc)
+        raise
 
     def here() -> None:
         sample_here(svc, key, saved, req, draw, future)
