@@ -31,8 +31,9 @@ def test_a_sample_seed_makes_the_kth_request_of_a_sampler_draw_alike_on_every_se
 
 
 def test_a_seeded_request_draws_by_its_seed_alone_and_unseeded_ones_afresh_without_a_sample_seed():
-    seeded = {DrawIds(s).draw_id(k, n, *request(p, seed=3)) for s in (-1, 5) for k in "ab" for p in [[7], [8]]
-              for n in "xy"}
+    seeded = {
+        DrawIds(s).draw_id(k, n, *request(p, seed=3)) for s in (-1, 5) for k in "ab" for p in [[7], [8]] for n in "xy"
+    }
     assert len(seeded) == 1 and seeded != {DrawIds().draw_id("a", "x", *request([7, 8], seed=4))}
     afresh = DrawIds()
     assert len({afresh.draw_id("a", "x", *request([7, 8])) for _ in range(4)}) == 4

@@ -471,6 +471,7 @@ def test_a_version_is_cut_into_about_128_chunks_of_256_kib_to_4_mib():
     assert len(split_chunks(payload, 8)) <= 4096  # a size asked for grows where it would make more chunks
     assert len(split_chunks(payload, 64 * kib)) == 17  # (within the cap: as asked)
 
+
 def test_codec_round_trip_and_delta_size():
     rng = np.random.default_rng(0)
     w0 = rng.normal(size=(512, 256)).astype(np.float32)

@@ -340,8 +340,8 @@ def test_with_a_sample_seed_a_loop_draws_the_same_samples_whatever_another_tenan
                     neighbour.forward_backward([datum(other + [3, 4])], "cross_entropy").result()
                     neighbour.optim_step(types.AdamParams(learning_rate=0.1)).result()
                 # (one after the other: identical requests in flight at once may trade their samples)
-                samples = [s.tokens for _ in range(2)
-                           for s in sampler.sample(types.ModelInput.from_ints(tokens), 4, params).result().sequences]
+                prompt = types.ModelInput.from_ints(tokens)
+                samples = [s.tokens for _ in range(2) for s in sampler.sample(prompt, 4, params).result().sequences]
                 drawn.append(samples)
                 fb = tc.forward_backward([datum(tokens + s) for s in samples if s], "cross_entropy")
                 tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
