@@ -205,7 +205,8 @@ def main() -> None:
 
     def rewards_of(log_path: Path, name: str = key) -> list:  # (grad_norm: None where a step has none)
         steps = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
-        return [round(s[name], 4) if name in s or name == key else None for s in steps]
+        steps = [s for s in steps if key in s]  # (math_rl ends with a line of token counts alone)
+        return [round(s[name], 4) if name in s else None for s in steps]
 
     rewards = rewards_of(run)
     served = [line for line in (work / "serve.log").read_text().splitlines() if "workers drew" in line]
