@@ -139,8 +139,8 @@ class LocalSampler:
             rank = max(weights.rank, 1)
             adapters = weights.adapters
             if weights.base_model in self.as_workers:  # (unless beyond f16's range: those are never published)
-                rounded = {name: a.astype(np.float16) for name, a in adapters.items()}
-                if all(np.isfinite(a).all() for a in rounded.values()):
+                rounded = workers_adapters(adapters)
+                if rounded is not None:
                     adapters = {name: a.astype(np.float32) for name, a in rounded.items()}
             loaded.engine.load_adapters(replace(loaded.spec, lora_rank=rank, lora_alpha=float(rank)), adapters)
             loaded.current = weights
@@ -158,6 +158,13 @@ class LocalSampler:
             out += (z[np.arange(len(z)), targets] - np.log(np.exp(z).sum(axis=1))).tolist()
         n = req.prompt_logprobs_last_n
         return out if n is None else [math.nan] * (len(out) - n) + out[len(out) - n :]
+
+
+def workers_adapters(adapters: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    """`adapters` in f16, as swarm workers hold them (learner.serve.swarm publishes them so), or None where one
+    exceeds f16's range (such a sampler is drawn here alone, in float32)."""
+    rounded = {name: a.astype(np.float16) for name, a in adapters.items()}
+    return rounded if all(np.isfinite(a).all() for a in rounded.values()) else None
 
 
 def request_params(

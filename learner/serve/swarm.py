@@ -37,7 +37,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 from tinker import types
 from transformers import AutoModelForCausalLM
 
@@ -46,7 +45,15 @@ from learner.orchestrate.publisher import Publisher
 from learner.orchestrate.rollouts import Rollout
 from learner.orchestrate.verify import RolloutVerifier
 from learner.serve.sample_queue import LEASE_SEQUENCES, LEASE_TOKENS, SILENCE_S, SampleBoard, SwarmJob, SwarmLease
-from learner.serve.sampler import MAX_NEW_TOKENS, MAX_SAMPLES, Drawn, SamplerWeights, cut_at_stop, request_params
+from learner.serve.sampler import (
+    MAX_NEW_TOKENS,
+    MAX_SAMPLES,
+    Drawn,
+    SamplerWeights,
+    cut_at_stop,
+    request_params,
+    workers_adapters,
+)
 from learner.train.devices import give_back_freed_memory
 from learner.train.models import load_policy, model_spec
 from learner.train.wire_weights import wire_name, wire_tensors
@@ -179,8 +186,8 @@ class SwarmSampler:
                 return True
             if self.board.busy():  # workers are busy with the newest sampler's requests
                 return False
-            adapters = {name: a.astype(np.float16) for name, a in weights.adapters.items()}
-            if not all(np.isfinite(a).all() for a in adapters.values()):
+            adapters = workers_adapters(weights.adapters)
+            if adapters is None:
                 return False  # (beyond f16's range: only the float32 sampler here can draw it)
             version = self.board.version + 1
             self.publisher.publish(version, adapters)
