@@ -40,9 +40,9 @@ class ServeConfig:
     """File holding the swarm secret (`echo-rl secret`): only workers proving it sample ("": any worker)."""
 
     sample_seed: int = -1
-    """Unseeded asample requests draw from this seed, the sampler, the prompt and how often the key asked it: a
-    recipe run sending the same requests gets the same samples, here or from workers, up to float noise
-    (-1: each draws afresh; docs/tinker.md)."""
+    """Unseeded asample requests draw from this seed, the sampler, the prompt and how often the key asked it,
+    and every sample's logprobs are scored alone: a recipe run sending the same requests gets the same samples
+    and logprobs, here or from workers, beside any other tenant (-1: each draws afresh; docs/tinker.md)."""
     sampler_threads: int = 2
     """CPU threads the sampler uses (transformers engine, on `device`)."""
     sampler_max_batch: int = 32

@@ -110,7 +110,10 @@ async def asample(svc: Service, key: str, body: Any) -> dict:
         sample_here(svc, key, saved, req, draw, future)
 
     def answer(drawn: Drawn) -> None:  # (from a swarm handler's thread: the samples a worker drew, verified)
-        future.set_result(sample_response(drawn))
+        if svc.scorer is None:
+            future.set_result(sample_response(drawn))
+        else:  # (scored on the model thread, which holds the scorer)
+            svc.thread.run(key, future, lambda: sample_response(scored(svc, saved, req, drawn)))
 
     by_workers = False
     if svc.swarm is not None and saved.weights is not None:
@@ -136,11 +139,20 @@ def sample_here(svc: Service, key: str, saved: Saved, req: types.SampleRequest, 
             draw_batch(svc, saved, entry)
         if isinstance(entry.result, BaseException):
             raise entry.result
-        return sample_response(entry.result)
+        return sample_response(scored(svc, saved, req, entry.result))
 
     with saved.lock:
         saved.queue.append(entry)
     svc.thread.run(key, future, job)
+
+
+def scored(svc: Service, saved: Saved, req: types.SampleRequest, drawn: Drawn) -> Drawn:
+    """`drawn`, its logprobs scored alone where the server has a sample seed (learner.serve.scorer: the same
+    bits whichever batch, worker or tenant it was drawn beside). On the model thread."""
+    if svc.scorer is None or saved.weights is None:
+        return drawn
+    p = req.sampling_params
+    return svc.scorer.score(saved.weights, req.prompt.to_ints(), drawn, p.temperature, p.top_p)
 
 
 def sample_response(drawn: Drawn) -> bytes:

@@ -22,6 +22,7 @@ from learner.serve.checkpoints import CheckpointStore, Found, RunInfo
 from learner.serve.draw_ids import DrawIds
 from learner.serve.futures import Futures, ModelThread, NotFound, Ordered
 from learner.serve.sampler import LocalSampler, SamplerWeights
+from learner.serve.scorer import SampleScorer
 from learner.serve.swarm import SwarmSampler
 from learner.serve.trained_model import SharedBase, TrainedModel
 from learner.serve.wire import RequestError
@@ -93,6 +94,9 @@ class Service:
         as_workers = frozenset(options.models[:1] if options.swarm_listen else ())  # (the swarm's: the first)
         self.sampler = LocalSampler(make_engine, options.cache_dir, as_workers)
         self.draw_ids = DrawIds(options.sample_seed)
+        self.scorer: SampleScorer | None = None  # with a sample seed: every sample's logprobs scored alone
+        if options.sample_seed >= 0:
+            self.scorer = SampleScorer(options.cache_dir, as_workers, str(resolve_device(options.device)))
         self.store = CheckpointStore(options.checkpoint_dir)
         self.shared: dict[str, SharedBase] = {}  # base model -> the copy its training clients share (model thread)
         self._bases: dict[str, SamplerWeights] = {}

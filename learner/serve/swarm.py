@@ -27,7 +27,6 @@ applies to the head alone).
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import secrets
@@ -38,7 +37,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from tinker import types
-from transformers import AutoModelForCausalLM
 
 from learner.config import SwarmConfig
 from learner.orchestrate.publisher import Publisher
@@ -54,9 +52,10 @@ from learner.serve.sampler import (
     request_params,
     workers_adapters,
 )
+from learner.serve.scorer import untied_replay
 from learner.train.devices import give_back_freed_memory
 from learner.train.models import load_policy, model_spec
-from learner.train.wire_weights import wire_name, wire_tensors
+from learner.train.wire_weights import wire_tensors
 from p2p.auth import AUTH, SwarmAuth
 from p2p.broadcast import ChunkStore, Seeder
 from p2p.host import BadRequest, Host, HostConfig, Misbehaviour
@@ -110,17 +109,11 @@ class SwarmSampler:
         self.spec = replace(spec, lora_rank=1, lora_alpha=1.0, gguf_recipe=recipe)
         self.stop_default = frozenset(spec.eos_ids)
         base = wire_tensors(model, "f16")
-        replayed = dict(base)  # the replay model is untied: its head starts as the embedding
-        if getattr(model.config, "tie_word_embeddings", False):
-            embedding = model.get_input_embeddings().weight
-            name = next(wire_name(n) for n, p in model.named_parameters() if p is embedding)
-            replayed["lm_head.weight"] = base[name]
-        config = copy.deepcopy(model.config)
-        config.tie_word_embeddings = False
+        make_model, replayed = untied_replay(model, base)  # (the head's adapter applies to the head alone)
         del policy, model
         defaults = SwarmConfig()
         self.verifier = RolloutVerifier(
-            lambda: AutoModelForCausalLM.from_config(config), 1.0, 1.0, first=1 << 62, fraction=1.0,
+            make_model, 1.0, 1.0, first=1 << 62, fraction=1.0,
             tolerance=defaults.verify_tolerance, draw_tolerance=defaults.verify_draw_tolerance, lora_scale=1.0,
             keep=2, device=device, off_draw_tolerance=defaults.verify_off_draw,
         )  # fmt: skip
