@@ -118,6 +118,11 @@ def test_a_tinker_client_trains_a_lora_model_and_every_loss_is_the_formula_on_th
     for name, value in expected.items():
         got = tc.forward([datum(tokens, logprobs=q, advantages=adv)], name).result().metrics["loss:sum"]
         assert got == pytest.approx(value, rel=1e-4, abs=1e-5), name
+    by_hand = -(a * want - 0.5 * 0.05 * (want - np.array(q)) ** 2).sum()  # dro, beta 0.05
+    got = tc.forward([datum(tokens, logprobs=q, advantages=adv)], "dro", {"beta": 0.05}).result().metrics["loss:sum"]
+    assert got == pytest.approx(by_hand, rel=1e-4, abs=1e-5)
+    with pytest.raises(tinker.RequestFailedError, match="beta"):  # (Tinker's default beta is not published)
+        tc.forward([datum(tokens, logprobs=q, advantages=adv)], "dro").result()
 
     # gspo: each datum's tokens carry its sequence ratio, the geometric mean over the tokens its mask marks
     mask, other = [0.0, 1.0, 1.0, 1.0, 0.0, 1.0], tokens[::-1]

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from learner.train.grpo import clipped_surrogate, exp_ratio
+from learner.train.grpo import LOG_RATIO_LIMIT, clipped_surrogate, exp_ratio
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ LOSSES: dict[str, Loss] = {}
 
 RL_INPUTS = ("logprobs", "advantages")  # log q of each target token under the sampler, and its advantage A
 CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}  # Tinker's defaults for ppo and cispo
+REQUIRED = float("nan")  # a config value the client must send (Tinker's own default is not in its docs)
 
 
 def loss(
@@ -102,3 +103,12 @@ def gspo(logp: torch.Tensor, x: dict[str, torch.Tensor], cfg: dict[str, float]) 
     ratio = exp_ratio((sums / counts)[datum] + logp - logp.detach())  # [N]
     kept, _ = clipped_surrogate(ratio, x["advantages"], cfg["clip_low_threshold"], cfg["clip_high_threshold"])
     return -kept.sum()
+
+
+@loss("dro", RL_INPUTS, {"beta": REQUIRED})
+def dro(logp: torch.Tensor, x: dict[str, torch.Tensor], cfg: dict[str, float]) -> torch.Tensor:
+    """DRO (Richemond et al. 2024): REINFORCE with a quadratic penalty on the log-ratio to the sampler q,
+    L = -sum_i (A_i log pi_theta(y_i) - beta / 2 (log pi_theta(y_i) - log q(y_i))^2)
+    (the log-ratio clamped to +-LOG_RATIO_LIMIT, as the ratio losses clamp it: a lying q gets no gradient)."""
+    log_ratio = (logp - x["logprobs"]).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    return -(x["advantages"] * logp - 0.5 * cfg["beta"] * log_ratio**2).sum()
