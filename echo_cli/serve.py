@@ -25,8 +25,9 @@ def run_server(cfg: ServeConfig) -> None:
     keys = api_keys(cfg.api_key_file)
     secret = read_secret(cfg.swarm_secret_file) if cfg.swarm_secret_file else None
     options = ServeOptions(cfg.model_names(), cfg.cache_dir, cfg.device, keys, cfg.checkpoint_dir,
-                           cfg.max_models_per_key, cfg.swarm_listen, cfg.swarm_dir, secret,
-                           cfg.sample_seed)  # fmt: skip
+                           max_models_per_key=cfg.max_models_per_key, max_full_models=cfg.max_full_models,
+                           swarm_listen=cfg.swarm_listen, swarm_dir=cfg.swarm_dir, swarm_secret=secret,
+                           sample_seed=cfg.sample_seed)  # fmt: skip
     log.info("serving the Tinker API on http://%s:%d for %s (%d API keys in %s)", cfg.host, cfg.port,
              ", ".join(options.models), len(keys), cfg.api_key_file)  # fmt: skip
     # at most 256 connections at once (more get 503); idle keep-alive connections close after 5 s

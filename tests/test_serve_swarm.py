@@ -57,7 +57,7 @@ def test_a_joined_worker_draws_the_samples_a_tinker_client_asks_for(tmp_path, mo
     for name in ("WAIT_S", "SILENCE_S", "LEASE_BASE_S", "ASKED_S"):  # none drawn here for a slow (loaded) machine
         monkeypatch.setattr(sample_queue, name, 3600.0)
     options = ServeOptions(("tiny",), str(tmp_path / "cache"), "cpu", frozenset({KEY_A}), str(tmp_path / "ckpt"), 3,
-                           "/ip4/127.0.0.1/tcp/0", str(tmp_path / "swarm"))  # fmt: skip
+                           swarm_listen="/ip4/127.0.0.1/tcp/0", swarm_dir=str(tmp_path / "swarm"))  # fmt: skip
     app = make_app(options, sampler_engine)
     swarm: SwarmSampler = app.state.service.swarm
     worker = join_worker((tmp_path / "swarm" / "learner.addr").read_text().strip(), tmp_path, "w1")

@@ -97,7 +97,7 @@ async def weights_info(svc: Service, key: str, body: Any) -> dict:
     if not isinstance(path, str):
         raise RequestError("weights_info: send tinker_path")
     run = svc.store.find(key, path).run
-    return {"base_model": run.base_model, "is_lora": True, "lora_rank": run.lora_rank, "train_unembed": run.head,
+    return {"base_model": run.base_model, **run.lora_fields(), "train_unembed": run.head,
             "train_mlp": True, "train_attn": True}  # fmt: skip
 
 
@@ -134,8 +134,8 @@ def training_run(svc: Service, key: str, run_id: str, record: dict) -> dict:
     run = RunInfo(**record["run"])
     mine = svc.store.checkpoints(key, run_id)
     last = {kind: next((c for c in mine if c["checkpoint_type"] == kind), None) for kind in ("training", "sampler")}
-    return {"training_run_id": run_id, "base_model": run.base_model, "model_owner": record["owner"], "is_lora": True,
-            "corrupted": False, "lora_rank": run.lora_rank, "last_request_time": iso(record["created"]),
+    return {"training_run_id": run_id, "base_model": run.base_model, "model_owner": record["owner"],
+            **run.lora_fields(), "corrupted": False, "last_request_time": iso(record["created"]),
             "last_checkpoint": last["training"], "last_sampler_checkpoint": last["sampler"],
             "user_metadata": record.get("user_metadata")}  # fmt: skip
 

@@ -49,9 +49,17 @@ class RunInfo:
     """What a training client is: enough to build its model again from a checkpoint."""
 
     base_model: str
-    lora_rank: int
+    lora_rank: int  # 0: full fine-tuning (every weight trained; "adapters" then hold them all)
     head: bool  # adapters on the output layer too (train_unembed)
     seed: int = 0
+
+    @property
+    def full(self) -> bool:
+        return self.lora_rank == 0
+
+    def lora_fields(self) -> dict:
+        """What the SDK's types say of the run's weights (TrainingRun, WeightsInfoResponse, GetInfoResponse)."""
+        return {"is_lora": not self.full, "lora_rank": None if self.full else self.lora_rank}
 
 
 @dataclass(frozen=True)

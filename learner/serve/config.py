@@ -31,6 +31,9 @@ class ServeConfig:
     """Where save_state checkpoints and named sampler weights are kept (they outlive the server)."""
     max_models_per_key: int = 4
     """Training clients one API key may hold at once (each its adapters and AdamW state; the base is shared)."""
+    max_full_models: int = 1
+    """Full fine-tuning clients (LoRA rank 0) at once, all keys together: each holds a float32 copy of its base
+    model, its gradient and AdamW's moments, 16 bytes a parameter (0: LoRA only)."""
 
     swarm_listen: str = ""
     """Multiaddr where workers join to draw samples (e.g. /ip4/0.0.0.0/tcp/4001; "": all drawn here)."""
@@ -59,6 +62,7 @@ class ServeConfig:
         require(-1 <= seed < 1 << 63, "serve.sample_seed", f"must be -1 (afresh) to 2**63 - 1, got {seed}")
         per_key = self.max_models_per_key
         require(per_key >= 1, "serve.max_models_per_key", f"must be >= 1, got {per_key}")
+        require(self.max_full_models >= 0, "serve.max_full_models", f"must be >= 0, got {self.max_full_models}")
 
     def model_names(self) -> tuple[str, ...]:
         return tuple(m.strip() for m in self.models.split(",") if m.strip())

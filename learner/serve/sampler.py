@@ -44,6 +44,7 @@ class SamplerWeights:
     base_model: str
     rank: int  # the adapters' rank (their scale is 1: alpha = rank, as learner.serve.trained_model makes them)
     adapters: dict[str, np.ndarray]  # wire names -> float32; {} is the base model itself
+    full: bool = False  # `adapters` holds every weight (a full fine-tuning client's), not LoRA adapters
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Loaded:
     vocab: int
     context: int
     current: SamplerWeights | None = None
+    base: dict[str, np.ndarray] | None = None  # the base's weights (float32), loaded again after a full sampler
 
 
 @dataclass
@@ -130,12 +132,19 @@ class LocalSampler:
             engine = self.make_engine()
             sixteen = weights.base_model in self.as_workers
             tensors = wire_tensors(policy.model, "f16" if sixteen else "f32")
-            engine.load_policy(spec, {name: to_float32(a) for name, a in tensors.items()})
+            tensors = {name: to_float32(a) for name, a in tensors.items()}
+            engine.load_policy(spec, tensors)
             cfg = policy.model.config
             context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
             loaded = Loaded(engine, spec, policy.tokenizer, int(cfg.vocab_size), context)
+            loaded.base = tensors  # (for after a full sampler; on the CPU the engine's base shares these arrays)
             self.loaded[weights.base_model] = loaded
-        if loaded.current is not weights:
+        if loaded.current is not weights and weights.full:  # every weight: they take the base's place
+            loaded.engine.load_policy(loaded.spec, weights.adapters)
+            loaded.current = weights
+        elif loaded.current is not weights:
+            if loaded.current is not None and loaded.current.full:
+                loaded.engine.load_policy(loaded.spec, loaded.base)  # the base back
             rank = max(weights.rank, 1)
             adapters = weights.adapters
             if weights.base_model in self.as_workers:  # (unless beyond f16's range: those are never published)

@@ -54,7 +54,7 @@ async def save_weights_for_sampler(svc: Service, key: str, body: Any) -> dict:
             raise RequestError("save_weights_for_sampler: name the weights with 1 to 128 letters, digits, . _ or -")
         adapters = slot.trained().adapter_tensors()
         if req.path is None:
-            saved.weights = SamplerWeights(run.base_model, run.lora_rank, adapters)
+            saved.weights = SamplerWeights(run.base_model, run.lora_rank, adapters, run.full)
             return {"type": "save_weights_for_sampler", "sampling_session_id": sampler_id}
         path = svc.store.save(key, req.model_id, "sampler_weights", req.path, adapters, None, req.ttl_seconds,
                               req.user_metadata)  # fmt: skip
@@ -187,7 +187,8 @@ def draw_batch(svc: Service, saved: Saved, entry: Draw) -> None:
                 adapters = svc.store.adapters(saved.found)
             except OSError:
                 raise RequestError("asample: the sampler's checkpoint was deleted") from None
-            saved.weights = SamplerWeights(saved.base_model, saved.found.run.lora_rank, adapters)
+            run = saved.found.run
+            saved.weights = SamplerWeights(saved.base_model, run.lora_rank, adapters, run.full)
         if saved.weights is None:
             raise RequestError("asample: this sampler's weights were never saved (its save_weights_for_sampler failed)")
         results: list[Any] = svc.sampler.sample_batch(saved.weights, [d.req for d in batch], [d.draw for d in batch])

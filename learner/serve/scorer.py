@@ -38,13 +38,19 @@ def untied_replay(
     layer's weight added where `model` ties it to the embedding: a LoRA adapter of the head then applies to
     the head alone, as the workers apply it."""
     replayed = dict(tensors)
-    if getattr(model.config, "tie_word_embeddings", False):
-        embedding = model.get_input_embeddings().weight
-        name = next(wire_name(n) for n, p in model.named_parameters() if p is embedding)
+    if (name := tied_embedding(model)) is not None:
         replayed["lm_head.weight"] = tensors[name]
     config = copy.deepcopy(model.config)
     config.tie_word_embeddings = False
     return (lambda: AutoModelForCausalLM.from_config(config)), replayed
+
+
+def tied_embedding(model: torch.nn.Module) -> str | None:
+    """The wire name of `model`'s input embedding where its output layer is tied to it, else None."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return None
+    embedding = model.get_input_embeddings().weight
+    return next(wire_name(n) for n, p in model.named_parameters() if p is embedding)
 
 
 class SampleScorer:
@@ -55,7 +61,8 @@ class SampleScorer:
         """`as_workers`: base models swarm workers sample, whose weights and adapters are rounded to 16 bits
         (as learner.serve.sampler.LocalSampler holds them)."""
         self.cache_dir, self.as_workers, self.device = cache_dir, as_workers, torch.device(device)
-        self.bases: dict[str, tuple[torch.nn.Module, dict[str, np.ndarray]]] = {}  # base -> (model, its tensors)
+        self.bases: dict[str, tuple[torch.nn.Module, dict[str, np.ndarray], str | None]] = {}  # base -> (model,
+        # its tensors, the embedding's name where the output layer is tied to it)
         self.current: dict[str, SamplerWeights] = {}  # base model -> the sampler its model holds now
 
     def score(
@@ -86,14 +93,20 @@ class SampleScorer:
             policy = load_policy(weights.base_model, self.cache_dir)
             make_model, tensors = untied_replay(policy.model, wire_tensors(policy.model, "f16" if sixteen else "f32"))
             model = make_model().float().to(self.device).eval().requires_grad_(False)
-            self.bases[weights.base_model] = (model, tensors)
-        model, tensors = self.bases[weights.base_model]
-        if self.current.get(weights.base_model) is not weights:
+            self.bases[weights.base_model] = (model, tensors, tied_embedding(policy.model))
+        model, tensors, tied = self.bases[weights.base_model]
+        if self.current.get(weights.base_model) is weights:
+            return model
+        if weights.full:  # every weight, float32 as the local sampler draws them (workers never do)
+            state = dict(weights.adapters) | ({"lm_head.weight": weights.adapters[tied]} if tied else {})
+            state = merged_weights(state, None, 0.0)
+        else:
             adapters = weights.adapters
             if sixteen:  # (unless beyond f16's range: such a sampler is drawn here alone, in float32)
                 adapters = workers_adapters(adapters) or adapters
-            missing, unexpected = model.load_state_dict(merged_weights(tensors, adapters, 1.0), strict=False)
-            if unexpected or missing:
-                raise RuntimeError(f"the scorer's weights do not fit the model: {unexpected[:3]} {missing[:3]}")
-            self.current[weights.base_model] = weights
+            state = merged_weights(tensors, adapters, 1.0)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected or missing:
+            raise RuntimeError(f"the scorer's weights do not fit the model: {unexpected[:3]} {missing[:3]}")
+        self.current[weights.base_model] = weights
         return model

@@ -103,11 +103,14 @@ async def create_model(svc: Service, key: str, body: Any) -> dict:
     if (slot := svc.slots.get(model_id)) is not None and slot.key == key:  # a resent POST: the first's future
         return {"request_id": slot.created_by, "model_id": model_id}
     lora = req.lora_config
-    if lora is None or not 1 <= lora.rank <= MAX_LORA_RANK or not (lora.train_mlp and lora.train_attn):
-        raise RequestError(f"lora_config: echo-rl trains ranks 1 to {MAX_LORA_RANK} with train_mlp and train_attn")
+    full = lora is None or lora.rank == 0  # full fine-tuning (the SDK always sends a lora_config: rank 0 asks it)
+    if not full and (not 1 <= lora.rank <= MAX_LORA_RANK or not (lora.train_mlp and lora.train_attn)):
+        raise RequestError(f"lora_config: echo-rl trains ranks 1 to {MAX_LORA_RANK} with train_mlp and train_attn, "
+                           "or every weight (rank 0)")  # fmt: skip
     if req.optimizer_config.type != "adamw":
         raise RequestError(f"optimizer {req.optimizer_config.type!r}: echo-rl serves adamw only")
-    run = RunInfo(req.base_model, lora.rank, lora.train_unembed, lora.seed or 0)
+    run = RunInfo(req.base_model, 0, True) if full else RunInfo(req.base_model, lora.rank, lora.train_unembed,
+                                                                lora.seed or 0)  # fmt: skip
     request_id = svc.open_model(key, req.session_id, req.model_seq_id, run, req.user_metadata, None,
                                  {"type": "create_model", "model_id": model_id})  # fmt: skip
     return {"request_id": request_id, "model_id": model_id}
@@ -120,8 +123,8 @@ async def get_info(svc: Service, key: str, body: Any) -> dict:
     data = {"arch": "unknown", "model_name": base_model, "tokenizer_id": base_model}
     if slot.model is not None:
         data |= {"arch": slot.model.model.config.model_type, "tokenizer_id": slot.model.tokenizer_id}
-    return {"type": "get_info", "model_id": req.model_id, "model_data": data, "is_lora": True,
-            "lora_rank": slot.run.lora_rank, "model_name": base_model}  # fmt: skip
+    return {"type": "get_info", "model_id": req.model_id, "model_data": data, **slot.run.lora_fields(),
+            "model_name": base_model}  # fmt: skip
 
 
 async def optim_step(svc: Service, key: str, body: Any) -> dict:

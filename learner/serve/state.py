@@ -24,7 +24,7 @@ from learner.serve.futures import Futures, ModelThread, NotFound, Ordered
 from learner.serve.sampler import LocalSampler, SamplerWeights
 from learner.serve.scorer import SampleScorer
 from learner.serve.swarm import SwarmSampler
-from learner.serve.trained_model import SharedBase, TrainedModel
+from learner.serve.trained_model import OwnCopy, SharedBase, TrainedModel
 from learner.serve.wire import RequestError
 from learner.train.devices import bound_heap_growth, resolve_device
 from p2p.messages import Engine
@@ -45,6 +45,7 @@ class ServeOptions:
     api_keys: frozenset[str]
     checkpoint_dir: str  # where save_state and named sampler weights are kept (learner.serve.checkpoints)
     max_models_per_key: int = 4
+    max_full_models: int = 1  # full fine-tuning clients at once, all keys together (0: LoRA only)
     swarm_listen: str = ""  # where workers join to sample (learner.serve.swarm); "": every sample is drawn here
     swarm_dir: str = ""  # the swarm side's identity, its address file (learner.addr) and its chunks
     swarm_secret: bytes | None = None  # only workers proving it sample (p2p.auth)
@@ -180,6 +181,14 @@ class Service:
             raise RequestError(f"model {model_id} exists: the SDK numbers a session's models, each once")
         if run.base_model not in self.options.models:
             raise RequestError(f"base_model {run.base_model!r} is not served here; served: {list(self.options.models)}")
+        limit = self.options.max_full_models
+        if run.full and limit == 0:
+            raise RequestError("full fine-tuning is off on this server (serve --max-full-models 0): ask for LoRA")
+        if run.full and sum(s.run.full and not s.failed for s in self.slots.values()) >= limit:
+            raise RequestError(
+                f"full fine-tuning: all {limit} of the server's full fine-tuning clients are in use (serve "
+                "--max-full-models; each holds a copy of the model and its optimizer): close one, or ask for LoRA"
+            )
         if sum(s.key == key for s in self.slots.values()) >= self.options.max_models_per_key:
             raise RequestError(
                 f"this key holds {self.options.max_models_per_key} models already (the server's limit): close a "
@@ -190,9 +199,12 @@ class Service:
         def load() -> dict:
             model = None
             try:
-                if run.base_model not in self.shared:
-                    self.shared[run.base_model] = SharedBase(run.base_model, opts.cache_dir, opts.device)
-                model = TrainedModel(self.shared[run.base_model], run.lora_rank, run.seed, run.head)
+                if run.full:  # (its own copy of the base model, every weight trained)
+                    model = TrainedModel(OwnCopy(run.base_model, opts.cache_dir, opts.device), 0)
+                else:
+                    if run.base_model not in self.shared:
+                        self.shared[run.base_model] = SharedBase(run.base_model, opts.cache_dir, opts.device)
+                    model = TrainedModel(self.shared[run.base_model], run.lora_rank, run.seed, run.head)
                 if restore is not None:
                     restore(model)
                 self.store.add_run(model_id, key, run, user_metadata)
@@ -202,7 +214,8 @@ class Service:
                     model.close()
                 raise
             slot.model = model
-            log.info("serve: %s: %s with rank-%d LoRA", model_id, run.base_model, run.lora_rank)
+            how = "full fine-tuning" if run.full else f"rank-{run.lora_rank} LoRA"
+            log.info("serve: %s: %s with %s", model_id, run.base_model, how)
             return result
 
         request_id, start = self.job(key, load)

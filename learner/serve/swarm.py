@@ -162,8 +162,8 @@ class SwarmSampler:
         sampler's requests out. Raises RequestError for a request no sampler could draw. Publishing a sampler
         takes a moment: call it off the event loop."""
         p = req.sampling_params
-        if weights.base_model != self.base_model or not weights.adapters:  # (the base itself: version 0, which
-            return False  # workers past it do not fetch again)
+        if weights.base_model != self.base_model or not weights.adapters or weights.full:  # (the base itself:
+            return False  # version 0, which workers past it do not fetch again; every weight: no LoRA version)
         if p.temperature < MIN_TEMPERATURE or req.prompt_logprobs or p.stop == [] or p.seed is not None:
             return False
         if req.num_samples * (p.max_tokens or MAX_NEW_TOKENS) > LEASE_TOKENS:  # more than a lease may hold

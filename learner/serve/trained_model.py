@@ -1,5 +1,5 @@
 """One Tinker training client's model: its own LoRA adapters on a base model it shares with the other clients
-of that base model (SharedBase), and its own AdamW.
+of that base model (SharedBase), or every weight of its own copy (OwnCopy: full fine-tuning), and its own AdamW.
 
     forward_backward(datums, loss)  ->  logp of each target token, and loss.backward() (unless forward-only)
     optim_step(adam)                ->  clip the accumulated gradient, one AdamW step, zero it
@@ -26,7 +26,7 @@ from learner.train.devices import resolve_device
 from learner.train.lora import add_lora, lora_targets
 from learner.train.models import load_policy
 from learner.train.trainer import model_device, token_logprobs
-from learner.train.wire_weights import wire_name
+from learner.train.wire_weights import wire_name, wire_state
 
 TOKENS_PER_PASS = 2048  # padded tokens through the model at once (bounds a pass's activations)
 LOGITS_PER_PASS = 1 << 25  # and tokens x vocabulary (128 MiB per float32 copy of the logits). SmolLM2, a step of
@@ -81,14 +81,30 @@ class SharedBase:
         self.active = None
 
 
+class OwnCopy(SharedBase):
+    """A base model loaded for one full fine-tuning client: every weight its to train (SharedBase's interface)."""
+
+    def add(self, rank: int, seed: int, head: bool) -> str:
+        self.model.requires_grad_(True)
+        return "full"
+
+    def activate(self, name: str) -> None:
+        pass
+
+    def remove(self, name: str) -> None:
+        pass
+
+
 class TrainedModel:
-    """A training client: its own rank-`lora_rank` adapters on a SharedBase, and its own AdamW."""
+    """A training client: its own rank-`lora_rank` adapters on a SharedBase, or (rank 0) every weight of an
+    OwnCopy, and its own AdamW. Its "adapters" (adapter_tensors, restore) are then all its weights."""
 
     def __init__(self, base: SharedBase, lora_rank: int, seed: int = 0, head: bool = True) -> None:
         self.base, self.model = base, base.model
         self.context, self.vocab, self.tokenizer_id = base.context, base.vocab, base.tokenizer_id
         self.name = base.add(lora_rank, seed, head)
-        mine = [(n, p) for n, p in self.model.named_parameters() if f".{self.name}." in n]
+        self.full = isinstance(base, OwnCopy)
+        mine = [(n, p) for n, p in self.model.named_parameters() if self.full or f".{self.name}." in n]
         self.wire_names = [wire_name(n.replace(f".{self.name}.", ".default.")) for n, _ in mine]
         self.params = [p for _, p in mine]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
@@ -97,10 +113,14 @@ class TrainedModel:
         """Take the adapters off the shared base (the client is gone)."""
         self.base.remove(self.name)
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """What the client trains under wire names: its adapters, or (full) every weight of its model as a
+        version carries them (learner.train.wire_weights: the tied output layer once, buffers too)."""
+        return wire_state(self.model) if self.full else dict(zip(self.wire_names, self.params, strict=True))
+
     def adapter_tensors(self) -> dict[str, np.ndarray]:
-        """A copy of the adapters under their wire names, float32 (what save_weights_for_sampler keeps)."""
-        pairs = zip(self.wire_names, self.params, strict=True)
-        return {n: p.detach().to("cpu", torch.float32, copy=True).numpy() for n, p in pairs}
+        """A copy of weights() as float32 arrays (what save_weights_for_sampler and save_state keep)."""
+        return {n: p.detach().to("cpu", torch.float32, copy=True).numpy() for n, p in self.weights().items()}
 
     def optimizer_state(self) -> dict:
         """AdamW's state (what save_state keeps beside the adapters): by parameter order, which the same base
@@ -109,7 +129,7 @@ class TrainedModel:
 
     def restore(self, adapters: dict[str, np.ndarray], optimizer: dict | None) -> None:
         """Put saved adapters (wire names, as adapter_tensors gives them) and, if given, AdamW's state back."""
-        params = dict(zip(self.wire_names, self.params, strict=True))
+        params = self.weights()
         wrong = sorted(set(params) ^ set(adapters)) or [n for n, p in params.items()
                                                          if tuple(p.shape) != adapters[n].shape]  # fmt: skip
         if wrong:

@@ -1,0 +1,115 @@
+"""Full fine-tuning through `echo-rl serve` (a create_model with LoRA rank 0 or no lora_config): every weight
+trained, sampled from, checkpointed, on a copy of its own beside the LoRA clients' shared base."""
+
+import numpy as np
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+from learner.serve.service import ServeOptions, make_app  # noqa: E402
+from tests.families import FAMILIES  # noqa: E402
+from tests.test_serve import KEY_A, KEY_B, by_hand_logprobs, client, datum, sampler_engine, serving  # noqa: E402
+
+TOKENS = [5, 17, 99, 3, 42, 7, 61]
+
+
+def logprobs(tc, tokens: list[int] = TOKENS) -> np.ndarray:
+    return tc.forward([datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+
+def test_a_full_fine_tuning_client_trains_every_weight_and_samples_and_checkpoints_them(tmp_path):
+    """rank 0: the client starts as the base model, cross_entropy steps lower its loss and move every kind of
+    weight (the embedding, the norms, not only the projections); its sampler's logprobs (scored alone, with a
+    sample seed) are its forward's; a
+    LoRA client on the same base still sees the base model, and its sampler after the full one samples the
+    base again; save_state and a new client from it give the same model; a second full client is refused
+    (the server's limit) until the first's session ends."""
+    # (a sample seed: the samples are scored alone, learner.serve.scorer, on the full weights too)
+    options = ServeOptions(("tiny",), str(tmp_path / "cache"), "cpu", frozenset({KEY_A, KEY_B}), str(tmp_path / "ck"),
+                           3, max_full_models=1, sample_seed=5)  # fmt: skip
+    app = make_app(options, sampler_engine)
+    svc = app.state.service
+    base = by_hand_logprobs(TOKENS)
+    with serving(options, app) as url:
+        sc = client(url)
+        tc = sc.create_lora_training_client(base_model="tiny", rank=0).result()
+        info = tc.get_info()
+        assert info.is_lora is False and info.lora_rank is None
+        assert np.allclose(logprobs(tc), base, atol=1e-5)
+        before = {n: t.clone() for n, t in svc.slots[tc.model_id].model.weights().items()}
+        losses = []
+        for _ in range(3):
+            fb = tc.forward_backward([datum(TOKENS)], "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=0.01)).result()
+            losses.append(fb.result().metrics["loss:sum"])
+        assert losses[-1] < losses[0] - 1.0
+        after = svc.slots[tc.model_id].model.weights()
+        moved = {n for n in before if not torch.equal(before[n], after[n])}
+        assert any("embed_tokens" in n for n in moved) and any("norm" in n for n in moved)
+        assert any("mlp" in n for n in moved) and any("self_attn" in n for n in moved)
+        trained = logprobs(tc)
+
+        prompt = types.ModelInput.from_ints(TOKENS[:3])
+        sampler = tc.save_weights_and_get_sampling_client()
+        out = sampler.sample(prompt, 4, types.SamplingParams(max_tokens=5, temperature=1.0)).result()
+        for seq in out.sequences:
+            assert np.allclose(seq.logprobs, logprobs(tc, TOKENS[:3] + seq.tokens)[2:], atol=1e-4)
+
+        lora = sc.create_lora_training_client(base_model="tiny", rank=4).result()
+        assert np.allclose(logprobs(lora), base, atol=1e-5)  # the shared base is untouched
+        scored = lora.save_weights_and_get_sampling_client().compute_logprobs(types.ModelInput.from_ints(TOKENS))
+        assert np.allclose(scored.result()[1:], base, atol=1e-4)  # the local sampler has the base back
+
+        path = tc.save_state("full").result().path
+        run = sc.create_rest_client().get_training_run_by_tinker_path(path).result()
+        assert run.is_lora is False and run.lora_rank is None
+        with pytest.raises(tinker.BadRequestError, match="full fine-tuning"):
+            client(url, KEY_B).create_lora_training_client(base_model="tiny", rank=0).result()
+        sc.close("success").result()  # the session's clients go, the full one with them
+
+        other = client(url, KEY_B)
+        assert np.allclose(logprobs(other.create_lora_training_client(base_model="tiny", rank=0).result()), base,
+                           atol=1e-5)  # fmt: skip
+        other.close("success").result()
+        restored = client(url).create_training_client_from_state_with_optimizer(path).result()
+        assert np.allclose(logprobs(restored), trained, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_trains_every_weight_and_samples_them(family, tmp_path):
+    """Full fine-tuning on each family's tiny model (tied output layers or not): forward starts at the base
+    model's logprobs, cross_entropy steps lower the loss, and the local sampler given every trained weight
+    scores the prompt as the trained model does."""
+    from learner.serve.sampler import LocalSampler, SamplerWeights
+    from learner.serve.trained_model import OwnCopy, TrainedModel
+    from learner.serve.wire import Datum, ForwardBackward
+    from learner.train.models import load_policy
+    from tests.families import save_family
+
+    folder = str(save_family(family, tmp_path / family))
+    model = load_policy(folder, "unused").model
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([TOKENS[:-1]])).logits[0].float()  # [T, V]
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(TOKENS[1:])[:, None]).squeeze(1).numpy()
+    served = TrainedModel(OwnCopy(folder, "unused", "cpu"), 0)
+
+    def request(forward_only: bool) -> ForwardBackward:
+        inputs = {"target_tokens": np.array(TOKENS[1:], np.int64)}
+        return ForwardBackward("m", 1, "cross_entropy", {}, forward_only, [Datum(np.array(TOKENS[:-1]), inputs)])
+
+    assert np.allclose(served.forward_backward(request(forward_only=True))[0][0], want, atol=1e-4), family
+    losses = []
+    for _ in range(3):
+        losses.append(served.forward_backward(request(forward_only=False))[1]["loss:sum"])
+        served.optim_step(0.005, (0.9, 0.95), 1e-8, 0.0, 1.0)
+    assert losses[-1] < losses[0], (family, losses)
+    trained = served.forward_backward(request(forward_only=True))[0][0]
+    ask = types.SampleRequest(prompt=types.ModelInput.from_ints(TOKENS[:-1]),
+                              sampling_params=types.SamplingParams(max_tokens=1), prompt_logprobs=True)  # fmt: skip
+    sampler = LocalSampler(sampler_engine, "unused")
+    scored = sampler.sample(SamplerWeights(folder, 0, served.adapter_tensors(), full=True), ask).prompt_logprobs
+    assert np.allclose(scored[1:], trained[:-1], atol=1e-4), family
+    base_scored = sampler.sample(SamplerWeights(folder, 0, {}), ask).prompt_logprobs  # the base back
+    assert np.allclose(base_scored[1:], want[:-1], atol=1e-4), family
