@@ -227,6 +227,7 @@ LOGPROB_FLOOR = -50.0
 probability under V * e^-50 (2e-17 for a 100k vocabulary) per token, at any temperature; a forged
 -1000 would otherwise overflow the learner's importance ratio exp(logp - logp_mu)."""
 MAX_VERSION = 2**31 - 1  # policy versions a peer may name (the learner refuses any it never published)
+MAX_ADAPTER_SLOTS = 16  # LoRA versions a worker holds at once, switching per lease (SpecReply.adapter_slots)
 MAX_RATE = 1e9  # tokens/s or $/h a worker may declare
 MIN_TOKENS_PER_S = 1e-3
 """A declared generation rate is 0 (not measured yet) or at least this: slower than one token in 17 minutes is
@@ -256,17 +257,29 @@ def _float(msg: dict, key: str, low: float, high: float, default: float | None =
 
 @dataclass(frozen=True)
 class LeaseRequest:
-    """/echo/lease/1: a worker asks for up to `max_groups` prompt groups to generate with `version`."""
+    """/echo/lease/1: a worker asks for up to `max_groups` prompt groups to generate with `version`; `held`:
+    the LoRA versions whose adapters it also holds and would switch to for a lease (SpecReply.adapter_slots)."""
 
     version: int
     max_groups: int = 1
+    held: tuple[int, ...] = ()
 
     def to_wire(self) -> dict:
-        return {"version": self.version, "max_groups": self.max_groups}
+        out = {"version": self.version, "max_groups": self.max_groups}
+        return out | ({"held": list(self.held)} if self.held else {})
 
     @classmethod
     def from_wire(cls, msg: dict) -> LeaseRequest:
-        return cls(_int(msg, "version", -1, MAX_VERSION), _int({"max_groups": 1} | msg, "max_groups", 1, 1 << 16))
+        max_groups = _int({"max_groups": 1} | msg, "max_groups", 1, 1 << 16)
+        return cls(_int(msg, "version", -1, MAX_VERSION), max_groups, _versions(msg.get("held", []), "held"))
+
+
+def _versions(value: object, key: str) -> tuple[int, ...]:
+    """At most MAX_ADAPTER_SLOTS distinct versions (0 to MAX_VERSION)."""
+    versions = _ints(value, key, MAX_ADAPTER_SLOTS)
+    if any(v > MAX_VERSION for v in versions) or len(set(versions)) != len(versions):
+        raise MessageError(f"{key!r} must hold distinct versions of at most {MAX_VERSION}")
+    return tuple(versions)
 
 
 def describe_hardware(hardware: dict) -> str:
@@ -466,13 +479,15 @@ class SpecReply:
     group_size: int
     env: dict | None = None
     protocol: int = PROTOCOL  # the learner's (1: a learner before versioning, whose spec is a llama's)
+    adapter_slots: int = 1  # > 1: each lease names the LoRA version it needs, of up to this many held at once
 
     def to_wire(self) -> dict:
         spec = self.spec.to_dict()
         vocab = msgpack.packb([spec.pop(k) for k in VOCAB_FIELDS])
         spec["vocab"] = zstandard.ZstdCompressor(level=3).compress(vocab)  # see MAX_VOCAB
-        out = {"run_id": self.run_id, "spec": spec, "group_size": self.group_size}
-        return out | {"protocol": self.protocol} | ({"env": self.env} if self.env is not None else {})
+        out = {"run_id": self.run_id, "spec": spec, "group_size": self.group_size, "protocol": self.protocol}
+        slots = {"adapter_slots": self.adapter_slots} if self.adapter_slots != 1 else {}
+        return out | slots | ({"env": self.env} if self.env is not None else {})
 
     @classmethod
     def from_wire(cls, msg: dict) -> SpecReply:
@@ -492,7 +507,8 @@ class SpecReply:
             _map(env.get("spec"), "env.spec")
             _map(env.get("chat"), "env.chat")
         protocol = _int(msg, "protocol", 1, 1 << 16) if "protocol" in msg else 1
-        return cls(run_id, spec, _int(msg, "group_size", 1, 1 << 16), env, protocol)
+        slots = _int(msg, "adapter_slots", 1, MAX_ADAPTER_SLOTS, 1)
+        return cls(run_id, spec, _int(msg, "group_size", 1, 1 << 16), env, protocol, slots)
 
 
 def _vocab(packed: object) -> dict[str, list]:
@@ -611,16 +627,18 @@ class RolloutReply:
 
 @dataclass(frozen=True)
 class HeartbeatReply:
-    """/echo/heartbeat/1 reply: the newest published version (-1 before the first)."""
+    """/echo/heartbeat/1 reply: the newest published version (-1 before the first); `active`: the LoRA versions
+    whose requests are waiting, for a worker that holds several (SpecReply.adapter_slots) to fetch."""
 
     newest: int
+    active: tuple[int, ...] = ()
 
     def to_wire(self) -> dict:
-        return {"newest": self.newest}
+        return {"newest": self.newest} | ({"active": list(self.active)} if self.active else {})
 
     @classmethod
     def from_wire(cls, msg: dict) -> HeartbeatReply:
-        return cls(_int(msg, "newest", -1, MAX_VERSION))
+        return cls(_int(msg, "newest", -1, MAX_VERSION), _versions(msg.get("active", []), "active"))
 
 
 MAX_TURNS_PER_STEP = 1 << 12  # episode turns one ENV_STEP request may carry (a lease's live episodes)

@@ -464,8 +464,8 @@ def test_api_keys_see_only_their_own_models_and_bad_requests_get_the_sdks_errors
     sc_a.close("success").result()  # ends its session: tc_a and #99 go, and the key may create again
     client(base_url, KEY_A).create_lora_training_client(base_model="tiny", rank=2).result()
     bad_loss = sc_b.create_lora_training_client(base_model="tiny", rank=2).result()
-    with pytest.raises(Exception, match="loss_fn 'dro' is not served"):
-        bad_loss.forward_backward([datum([1, 2, 3])], "dro").result()
+    with pytest.raises(Exception, match="loss_fn 'stable_reinforce' is not served"):
+        bad_loss.forward_backward([datum([1, 2, 3])], "stable_reinforce").result()
     with pytest.raises(Exception, match="outside the vocabulary"):
         bad_loss.forward_backward([datum([1, 2, 10**6])], "cross_entropy").result()
 

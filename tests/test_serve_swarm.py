@@ -30,7 +30,7 @@ from p2p.messages import (  # noqa: E402
     SpecRequest,
 )
 from p2p.weights import to_float32  # noqa: E402
-from tests.test_serve import KEY_A, by_hand_tokenizer, client, datum, sampler_engine, serving  # noqa: E402
+from tests.test_serve import KEY_A, KEY_B, by_hand_tokenizer, client, datum, sampler_engine, serving  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -112,6 +112,62 @@ def test_a_joined_worker_draws_the_samples_a_tinker_client_asks_for(tmp_path, mo
             swarm.board.workers.clear()  # (as the sweep does once it has been SILENCE_S without a word from it)
             out = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
             assert len(out.sequences) == 2 and swarm.summary()["answered"] == 6
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(30)
+
+
+def test_one_worker_draws_two_tenants_samplers_switching_adapters_per_lease(tmp_path, monkeypatch):
+    """Two keys' training clients on one base model (one adapting the output layer, one not), their samplers'
+    requests sent at once: the one worker holds both samplers' adapters and switches per lease, so it draws every
+    request (none here), and each sample's logprobs are its own tenant's forward; a tenant's next sampler is
+    drawn by it too while the other's is still held."""
+    for name in ("WAIT_S", "SILENCE_S", "LEASE_BASE_S", "ASKED_S"):  # none drawn here for a slow (loaded) machine
+        monkeypatch.setattr(sample_queue, name, 3600.0)
+    options = ServeOptions(("tiny",), str(tmp_path / "cache"), "cpu", frozenset({KEY_A, KEY_B}),
+                           str(tmp_path / "ckpt"), 3, swarm_listen="/ip4/127.0.0.1/tcp/0",
+                           swarm_dir=str(tmp_path / "swarm"))  # fmt: skip
+    app = make_app(options, sampler_engine)
+    swarm: SwarmSampler = app.state.service.swarm
+    worker = join_worker((tmp_path / "swarm" / "learner.addr").read_text().strip(), tmp_path, "w1")
+    tokens = [5, 17, 99, 3, 42, 7, 61]
+    params = types.SamplingParams(max_tokens=6, temperature=1.0)
+    prompt = types.ModelInput.from_ints(tokens[:3])
+    try:
+        with serving(options, app) as url:
+            wait_for(lambda: any(w.version >= 0 for w in swarm.board.workers.values()), 300, "the worker holds v0")
+            sc_a, sc_b = client(url, KEY_A), client(url, KEY_B)
+            a = sc_a.create_lora_training_client(base_model="tiny", rank=4).result()
+            b = sc_b.create_lora_training_client(base_model="tiny", rank=2, train_unembed=False).result()
+
+            def step(tc, data: list[int]):
+                tc.forward_backward([datum(data)], "cross_entropy")
+                tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
+                return tc.save_weights_and_get_sampling_client().result()
+
+            def check(tc, outs) -> None:
+                for seq in [s for out in outs for s in out.sequences]:
+                    forward = tc.forward([datum(tokens[:3] + seq.tokens)], "cross_entropy").result()
+                    logprobs = forward.loss_fn_outputs[0]["logprobs"].to_numpy()[2:]
+                    assert np.allclose(seq.logprobs, logprobs, atol=2e-3)  # (the worker holds f16 weights)
+
+            sampler_a, sampler_b = step(a, tokens), step(b, tokens[::-1])
+            futures = [s.sample(prompt, num_samples=3, sampling_params=params) for s in [sampler_a, sampler_b] * 2]
+            outs = [f.result() for f in futures]
+            assert swarm.summary()["answered"] == 4 and swarm.summary()["sampled_here"] == 0
+            check(a, outs[0::2])
+            check(b, outs[1::2])
+
+            sampler_a = step(a, tokens)  # a's next sampler, b's still the one the worker holds
+            futures = [s.sample(prompt, num_samples=3, sampling_params=params) for s in [sampler_a, sampler_b]]
+            outs = [f.result() for f in futures]
+            assert swarm.summary()["answered"] == 6 and swarm.summary()["sampled_here"] == 0
+            check(a, outs[:1])
+            check(b, outs[1:])
+            assert not swarm.verifier.flagged
+            sc_a.close("success").result()  # (else the SDK's heartbeats outlive the server, and say so)
+            sc_b.close("success").result()
     finally:
         if worker.poll() is None:
             worker.kill()
@@ -268,7 +324,10 @@ def test_nothing_a_worker_sends_the_swarm_side_raises_anything_but_a_refusal(sid
             handler(peer, msg)
 
     garbage: list[object] = [{}, {"version": "7"}, {"version": -2}, {"version": 2**70}, {"version": float("nan")},
-                             {"version": 0, "max_groups": 2**80}, {"version": [0]}, {"hardware": [1]}]  # fmt: skip
+                             {"version": 0, "max_groups": 2**80}, {"version": [0]}, {"hardware": [1]},
+                             {"version": 0, "held": [1, 1]}, {"version": 0, "held": list(range(17))},
+                             {"version": 0, "held": [-1]}, {"version": 0, "held": [2**40]}, {"version": 0, "held": "1"},
+                             {"version": 0, "held": [99]}, {"version": 0, "held": [True]}]  # fmt: skip
     for msg in garbage:
         for handler in (swarm._on_lease, swarm._on_rollout):
             refused(handler, "stranger", msg)

@@ -85,6 +85,7 @@ class WorkerDaemon:
         self.episodes: EpisodeRules | None = None  # a run on a multi-turn environment: its rules
         self.fetcher: VersionFetcher | None = None  # syncs and stages new versions in the background
         self.version = -1  # the policy version the engine runs (a LoRA version: adapters on their base)
+        self.active: tuple[int, ...] = ()  # the versions the learner has requests waiting on (its heartbeat's)
         self.versions_installed = 0
         self.run_id: str | None = None
         self.tokens_per_s = 0.0
@@ -175,19 +176,22 @@ class WorkerDaemon:
         if self.spec is None:
             self._join()
         self._install()
-        if self.version < 0 or (not self.cfg.overlap and self.fetcher.announced != self.version):
+        several = self.fetcher.slots > 1  # several LoRA versions held, switched per lease (worker.fetcher)
+        if self.version < 0 or (not self.cfg.overlap and not several and self.fetcher.announced != self.version):
             self.state = f"fetching v{max(self.fetcher.announced, 0)}"
             self.fetcher.ready.wait(0.5)
             return
-        reply = LeaseReply.from_wire(self._request(LEASE, LeaseRequest(self.version, self.cfg.max_groups).to_wire()))
+        held = self.fetcher.held_adapters() if several else {}
+        ask = LeaseRequest(self.version, self.cfg.max_groups, tuple(v for v in held if v != self.version))
+        reply = LeaseReply.from_wire(self._request(LEASE, ask.to_wire()))
         if reply.grant is not None:
-            self._work(reply.grant)
+            self._work(reply.grant, held)
             return
         self.fetcher.announced = max(self.fetcher.announced, reply.newest)
         wait = min(max(reply.wait, 0.05), 5.0)
         if reply.inactive:
             self.state = "inactive: the learner has cheaper workers enough; relaying chunks only"
-        elif reply.newest != self.version:  # too stale to lease with: the newer version is on its way
+        elif reply.newest != self.version and reply.newest not in held:  # too stale: the newer one is on its way
             self.state = f"waiting for v{reply.newest}"
             self.fetcher.poke()
             self.fetcher.ready.wait(wait)
@@ -223,8 +227,9 @@ class WorkerDaemon:
             if self.fetcher is not None:
                 self.fetcher.stop()
             self.fetcher = VersionFetcher(
-                self.peer, self.engine, reply.spec, self._beat, lambda: self.version, self.cfg.poll_s
-            ).start()
+                self.peer, self.engine, reply.spec, self._beat, lambda: self.version, self.cfg.poll_s,
+                reply.adapter_slots, lambda: self.active,
+            ).start()  # fmt: skip
         self.episodes = None if reply.env is None else episode_rules(reply.env, self.cfg.allow_env)
         self.spec = reply.spec
 
@@ -239,7 +244,9 @@ class WorkerDaemon:
 
     def _beat(self) -> int:
         """One heartbeat (the fetcher's thread sends them): the learner's newest version."""
-        return HeartbeatReply.from_wire(self._request(HEARTBEAT, self._heartbeat(), timeout=10)).newest
+        reply = HeartbeatReply.from_wire(self._request(HEARTBEAT, self._heartbeat(), timeout=10))
+        self.active = reply.active
+        return reply.newest
 
     def _heartbeat(self) -> dict:
         punched = len(self.peer.punched()) if self.peer is not None else 0  # hole-punched peers (status shows it)
@@ -258,7 +265,14 @@ class WorkerDaemon:
         log.info("now on v%d (%.1fs to fetch and load in the background, %.3fs to swap)",
                  self.version, staged.fetch_s, time.perf_counter() - tick)  # fmt: skip
 
-    def _work(self, lease: LeaseGrant) -> None:
+    def _work(self, lease: LeaseGrant, held: dict[int, dict]) -> None:
+        """Generate a lease's groups and push them; `held`: the adapters of the versions this worker said it holds
+        (a lease on one of them switches to it first)."""
+        if lease.min_version != self.version and lease.min_version in held:
+            tick = time.perf_counter()
+            self.engine.load_adapters(self.spec, held[lease.min_version])
+            self.version = lease.min_version
+            log.debug("switched to v%d for lease %d (%.3fs)", self.version, lease.id, time.perf_counter() - tick)
         version, requests = self.version, lease.requests
         log.debug("lease %d: %d groups on v%d", lease.id, len(requests), version)
         self.state = f"generating lease {lease.id} ({len(requests)} groups) on v{version}"

@@ -13,6 +13,10 @@ is installed, so the engine is at most one fetch behind the learner.
 The fetcher owns the raw weights last fetched (`held`, the base the next delta applies to); the daemon
 owns the engine's version. Errors are the fetcher's to absorb: it logs, waits and tries again; the
 daemon's own requests notice an unreachable learner.
+
+Several LoRA versions at once (`slots` > 1: SpecReply.adapter_slots, `echo-rl serve`'s tenants): once the base
+runs, the fetcher stages nothing more; it keeps the adapters of the newest and the active versions (the
+heartbeat's `active`), the newest `slots` fetched, and the daemon loads a lease's version itself.
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from p2p.broadcast import BroadcastPeer, VersionDropped
 from p2p.codec import CodecError
@@ -57,6 +64,8 @@ class VersionFetcher:
         newest: Callable[[], int],
         running: Callable[[], int],
         poll_s: float = 1.0,
+        slots: int = 1,
+        active: Callable[[], tuple[int, ...]] = tuple,
     ) -> None:
         self.peer = peer
         self.engine = engine
@@ -64,6 +73,9 @@ class VersionFetcher:
         self._newest = newest
         self._running = running
         self.poll_s = poll_s
+        self.slots = slots  # LoRA versions whose adapters are kept, the daemon switching per lease (docstring)
+        self._active = active  # () -> the versions the learner has requests waiting on
+        self.adapters: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()  # version -> adapters, oldest first
         self.held: tuple[int, bytes] | None = None  # (version, raw 16-bit weights as published)
         self._held_manifest: Manifest | None = None  # the manifest of held[0]
         self.announced = -1  # newest version the learner announced
@@ -108,6 +120,17 @@ class VersionFetcher:
             self._wake.set()  # the slot is free: fetch the next one if there is one
         return staged
 
+    def held_adapters(self) -> dict[int, dict[str, np.ndarray]]:
+        """The LoRA versions whose adapters are kept now (slots > 1), for one lease request and its lease."""
+        with self._lock:
+            return dict(self.adapters)
+
+    def _keep(self, version: int, adapters: dict[str, np.ndarray]) -> None:
+        with self._lock:
+            self.adapters[version] = adapters
+            while len(self.adapters) > self.slots:
+                self.adapters.popitem(last=False)
+
     def _current(self) -> int:
         """The version the engine runs, or the one the daemon took to install (not to be fetched again)."""
         return max(self._running(), self.taken)
@@ -119,7 +142,9 @@ class VersionFetcher:
         while not self._stop.is_set():
             try:
                 self.announced = self._newest()
-                if self._staged is None and self.announced >= 0 and self.announced != self._current():
+                if self.slots > 1 and self._current() >= 0:  # the base runs: adapters only, never staged
+                    self._fetch_held()
+                elif self._staged is None and self.announced >= 0 and self.announced != self._current():
                     self._fetch_and_stage()
                 backoff = self.poll_s
             except VersionDropped as exc:  # the learner moved on while we fetched: go for the newest at once
@@ -171,6 +196,8 @@ class VersionFetcher:
         if lora is not None and lora.adapter_base is not None and lora.version != version:
             adapters = tensors_of(lora, self.peer.fetch_adapters(lora, stop=self._stop))
             version = lora.version
+            if self.slots > 1:
+                self._keep(version, adapters)
         if weights is None and adapters is None:
             return
         state = self.engine.stage(self.spec, weights, adapters)
@@ -181,3 +208,15 @@ class VersionFetcher:
             self._staged = staged
             self.ready.set()
         log.debug("v%d staged (%.1fs to fetch and load)", version, staged.fetch_s)
+
+    def _fetch_held(self) -> None:
+        """(slots > 1) Fetch the adapters of the newest and the active versions not kept, newest first."""
+        for version in sorted({self.announced, *self._active()} - set(self.held_adapters()), reverse=True):
+            if self._stop.is_set() or self.held is None or version <= self.held[0]:
+                continue  # (the base itself, or older: no adapters on it)
+            self.fetching = version
+            manifest = self.peer.fetch_manifest(version)
+            if manifest.adapter_base != self.held[0]:  # adapters on another base: not a version to switch to
+                continue
+            self._keep(version, tensors_of(manifest, self.peer.fetch_adapters(manifest, stop=self._stop)))
+            log.debug("v%d's adapters kept (%d versions held)", version, len(self.adapters))

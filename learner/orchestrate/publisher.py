@@ -75,9 +75,11 @@ class Publisher:
         dtype: str = "f16",
         lora: bool = False,
         topk: float = 1.0,
+        adapter_keep: int = 2,
     ) -> None:
         self.seeder = seeder
         self.lora = lora
+        self.adapter_keep = adapter_keep  # LoRA versions whose chunks are kept (a worker mid-fetch may want one)
         self.base: int | None = None  # LoRA runs: the version holding the full weights
         self.dtype = dtype  # "bf16" or "f16": the 16-bit format workers get
         self.run_id = run_id
@@ -164,7 +166,7 @@ class Publisher:
                     kept.drop(old)
             self.last_full = version
         if adapter:  # a worker mid-fetch may still want the one before
-            for old in sorted(v for v in store.manifests if v != self.base)[:-2]:
+            for old in sorted(v for v in store.manifests if v != self.base)[: -self.adapter_keep]:
                 store.drop(old)
         log.info(
             "published v%d (%s, %.1f MB on the wire, %.1f%% of the raw 16-bit tensors)%s", version,

@@ -1,13 +1,13 @@
 """The requests `echo-rl serve` waits on swarm workers for: queued, leased, being verified, and the workers'
 standing (learner.serve.swarm serves the protocols around it).
 
-    add(job)             a request on the newest sampler version, queued
-    lease(worker, ...)   the oldest queued request the worker's version can draw, and those of equal params, up
-                         to LEASE_SEQUENCES of its batches and LEASE_TOKENS tokens (the first request whole; a
-                         worker not yet proven: that request alone); one lease per worker, out or being
-                         verified (asked again while one is out: the reply was lost, the same lease again)
-    take(worker, id)     the worker's answer arrived: its lease is being verified (busy() stays true, so that
-                         no newer version is published under it)
+    add(job)             a request on a published sampler version, queued
+    lease(worker, ...)   the oldest queued request of the version the worker runs, else of a version whose adapters
+                         it holds (it switches to it), and those of equal params, up to LEASE_SEQUENCES of its
+                         batches and LEASE_TOKENS tokens (the first request whole; a worker not yet proven: that
+                         request alone); one lease per worker, out or being verified (asked again while one is
+                         out: the reply was lost, the same lease again)
+    take(worker, id)     the worker's answer arrived: its lease is being verified (its version stays working())
     done(lease, ...)     verified: the worker is proven; refused: the worker is banned (and proven no more) and
                          the requests are drawn here; our own failure: drawn here, nobody banned
     sweep()              lapsed leases (past their time, or their worker silent): banned, drawn here; requests
@@ -100,7 +100,7 @@ class SwarmLease:
 
 @dataclass
 class SwarmWorker:
-    version: int = -1  # the version it holds, by its word (at most the newest)
+    version: int = -1  # the version it runs, by its word (at most the newest)
     max_batch: int = 1  # by its word: a larger lease only costs it time (it lapses and is banned)
     seen: float = field(default_factory=time.monotonic)  # any message
     asked: float = 0.0  # its last lease request
@@ -111,8 +111,7 @@ class SampleBoard:
     """The swarm side's requests and leases (module docstring)."""
 
     def __init__(self) -> None:
-        self.version = 0  # the newest sampler version: requests are queued on it alone
-        self.published_at = time.monotonic()
+        self.version = 0  # the newest sampler version
         self.queue: list[SwarmJob] = []
         self.leases: dict[int, SwarmLease] = {}  # out with a worker
         self.verifying: dict[int, SwarmLease] = {}  # answered, being replayed
@@ -134,48 +133,50 @@ class SampleBoard:
                 worker.max_batch = min(max(max_batch, 1), 256)
 
     def live(self, flagged: dict[str, str]) -> bool:
-        """Whether a worker may draw a request soon: it asks for leases (or holds one), holds the newest
-        version or a version published within WAIT_S, and is neither banned nor flagged."""
+        """Whether a worker may draw a request soon: it asks for leases (or holds one), runs a version (it fetches
+        the others), and is neither banned nor flagged."""
         now = time.monotonic()
         with self._lock:
             holding = {lease.worker for lease in self.leases.values()}
-            fresh = now - self.published_at <= WAIT_S  # workers on an older version are fetching the newest
             return any(
-                (now - w.asked <= ASKED_S or peer in holding) and (w.version == self.version or fresh)
-                and w.version >= 0 and peer not in flagged and self.banned.get(peer, 0.0) < now
+                (now - w.asked <= ASKED_S or peer in holding) and w.version >= 0 and peer not in flagged
+                and self.banned.get(peer, 0.0) < now
                 for peer, w in self.workers.items()
             )  # fmt: skip
 
-    def busy(self) -> bool:
-        """Whether requests are queued, leased or being verified (no newer version may be published)."""
+    def working(self) -> set[int]:
+        """The versions whose requests are queued, leased or being verified."""
         with self._lock:
-            return bool(self.queue or self.leases or self.verifying)
+            leased = [*self.leases.values(), *self.verifying.values()]
+            return {job.version for job in self.queue} | {lease.version for lease in leased}
 
     def publish(self, version: int, job: SwarmJob) -> None:
         """`version` is the newest sampler version now, and `job` its first request."""
         with self._lock:
-            self.version, self.published_at = version, time.monotonic()
+            self.version = version
             self.queue.append(job)
 
     def add(self, job: SwarmJob) -> None:
         with self._lock:
             self.queue.append(job)
 
-    def lease(self, peer: str, version: int, max_groups: int) -> SwarmLease | None:
-        """The lease a worker holding `version` gets now, if any (module docstring)."""
+    def lease(self, peer: str, version: int, max_groups: int, held: tuple[int, ...] = ()) -> SwarmLease | None:
+        """The lease a worker running `version` (and holding the adapters of `held`) gets now, if any (module
+        docstring)."""
         now = time.monotonic()
         with self._lock:
-            if version > self.version + 1:
-                raise Misbehaviour(f"v{version} was never published (the newest is v{self.version})")
+            if max((version, *held)) > self.version + 1:
+                raise Misbehaviour(f"v{max((version, *held))} was never published (the newest is v{self.version})")
             worker = self.workers.setdefault(peer, SwarmWorker())
             worker.seen = worker.asked = now
             worker.version = version
-            held = next((lease for lease in self.leases.values() if lease.worker == peer), None)
-            if held is not None:  # it asks again: our reply was lost (a worker asks only when it holds none)
-                return held
+            out = next((lease for lease in self.leases.values() if lease.worker == peer), None)
+            if out is not None:  # it asks again: our reply was lost (a worker asks only when it holds none)
+                return out
             if self.banned.get(peer, 0.0) >= now or any(lease.worker == peer for lease in self.verifying.values()):
                 return None
-            first = next((job for job in self.queue if job.version == version), None)
+            first = next((job for job in self.queue if job.version == version), None)  # no switch where it can
+            first = first or next((job for job in self.queue if job.version in held), None)
             if first is None:
                 return None
             n = first.req.num_samples
@@ -194,7 +195,7 @@ class SampleBoard:
             self.queue = [job for job in self.queue if id(job) not in taken]
             groups = [j for j in range(len(jobs)) for _ in range(split)]
             seconds = min(LEASE_BASE_S + len(jobs) * tokens / SLOWEST_TOKENS_S, MAX_LEASE_S)
-            lease = SwarmLease(secrets.randbits(62), peer, version, jobs, group_size, groups, now + seconds)
+            lease = SwarmLease(secrets.randbits(62), peer, first.version, jobs, group_size, groups, now + seconds)
             self.leases[lease.lease_id] = lease
             return lease
 
@@ -249,7 +250,7 @@ class SampleBoard:
                     lapsed.append(lease.worker)
             keep = []
             for job in self.queue:
-                (here if now - job.queued_at > WAIT_S or job.version != self.version else keep).append(job)
+                (here if now - job.queued_at > WAIT_S else keep).append(job)
             self.queue = keep
             for peer in [p for p, w in self.workers.items() if now - w.seen > SILENCE_S]:
                 del self.workers[peer]
@@ -270,5 +271,6 @@ class SampleBoard:
     def summary(self) -> dict:
         with self._lock:
             return {"version": self.version, "workers": len(self.workers), "queued": len(self.queue),
+                    "versions": sorted({job.version for job in self.queue}),
                     "leases": len(self.leases) + len(self.verifying), "answered": self.answered,
                     "sampled_here": self.drawn_here}  # fmt: skip

@@ -3,7 +3,8 @@
     the base model   version 0, a full snapshot of the first served model, seeded to the workers that join
                      (`echo-rl worker join --learner $(cat SWARM_DIR/learner.addr) --engine transformers`)
     a sampler        published as the next version the first time a request samples it, its adapters alone
-                     (a LoRA version on version 0), once no request of the newest sampler is out
+                     (a LoRA version on version 0), while fewer than ADAPTER_SLOTS versions have requests
+                     waiting and the oldest of them stays among the KEPT newest versions
     asample          queued, leased, answered (learner.serve.sample_queue): every group is replayed
                      (learner.orchestrate.verify: logprobs, draws and off-draw share, at the request's
                      temperature and top_p) and must end where its stop tokens or budget end it; the samples
@@ -17,12 +18,13 @@ completion 0 up), so a request draws the same samples here as on a worker, up to
 replay lets a worker steer: docs/security.md). With workers, the local sampler holds the first model's weights
 and adapters rounded to 16 bits as they do (learner.serve.sampler, `as_workers`).
 
-Workers hold one version at a time: while requests of one sampler are out with them, requests of any other
-sampler are drawn here (the first keeps the workers until its requests are done). Stop strings are cut here
-after the replay (workers stop at stop tokens only). The adapters' scale is 1 (learner.serve.trained_model):
-the spec's LoRA rank and alpha are 1. A sampler may adapt the (tied) output layer, which llama.cpp's LoRA
-cannot take: the spec sends llama.cpp workers away, and the replay model is untied (the head's adapter
-applies to the head alone).
+Workers hold the adapters of up to ADAPTER_SLOTS versions (SpecReply.adapter_slots; the heartbeat names the
+versions with requests waiting, which they fetch) and switch to a lease's version before drawing it, so several
+tenants' samplers are drawn by the workers at once; a sampler beyond those slots is drawn here. Stop strings
+are cut here after the replay (workers stop at stop tokens only). The adapters' scale is 1
+(learner.serve.trained_model): the spec's LoRA rank and alpha are 1. A sampler may adapt the (tied) output
+layer, which llama.cpp's LoRA cannot take: the spec sends llama.cpp workers away, and the replay model is
+untied (the head's adapter applies to the head alone).
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ log = logging.getLogger(__name__)
 
 HEAD_ADAPTER_REASON = "echo-rl serve's samplers may adapt the output layer, which llama.cpp workers cannot"
 ROLLOUTS_AT_ONCE = 2  # submissions replayed at once (the rest wait, their leases no longer timed)
+ADAPTER_SLOTS = 4  # sampler versions with requests out at once (each worker holds their adapters)
+KEPT = 2 * ADAPTER_SLOTS  # the newest versions kept (chunks, replay): a working version must stay among them
 MIN_TEMPERATURE = 0.5  # colder requests are drawn here: the replay's tolerances were measured at 0.8 and
 # 16-bit rounding's effect on logprobs and draws grows as 1/T
 
@@ -115,7 +119,7 @@ class SwarmSampler:
         self.verifier = RolloutVerifier(
             make_model, 1.0, 1.0, first=1 << 62, fraction=1.0,
             tolerance=defaults.verify_tolerance, draw_tolerance=defaults.verify_draw_tolerance, lora_scale=1.0,
-            keep=2, device=device, off_draw_tolerance=defaults.verify_off_draw,
+            keep=KEPT, device=device, off_draw_tolerance=defaults.verify_off_draw,
         )  # fmt: skip
         folder = Path(swarm_dir).expanduser()
         folder.mkdir(parents=True, exist_ok=True)
@@ -128,17 +132,18 @@ class SwarmSampler:
             self.host.handle(AUTH, auth.on_auth, guarded=False)
             self.seeder = Seeder(self.host, ChunkStore(spill_dir=folder / "chunks"), silence=SILENCE_S)
             self.run_id = secrets.token_hex(8)
-            self.publisher = Publisher(self.seeder, run_id=self.run_id, full_every=1 << 30, dtype="f16", lora=True)
+            self.publisher = Publisher(self.seeder, run_id=self.run_id, full_every=1 << 30, dtype="f16", lora=True,
+                                       adapter_keep=KEPT)  # fmt: skip
             self.publisher.publish(0, base)
             self.verifier.remember(0, replayed, None)
         except BaseException:
             self.host.stop()
             raise
-        self.newest: tuple[SamplerWeights, int] | None = None  # the sampler published last, and its version
+        self.published: dict[int, SamplerWeights] = {}  # version -> its sampler, the KEPT newest
         self.board = SampleBoard()
         self._publishing = threading.Lock()  # one submit at a time decides and publishes (never the board's lock)
         self._closed = threading.Event()
-        self.spec_reply = SpecReply(self.run_id, self.spec, 1).to_wire()
+        self.spec_reply = SpecReply(self.run_id, self.spec, 1, adapter_slots=ADAPTER_SLOTS).to_wire()
         self.host.handle(SPEC, self._on_spec)
         self.host.handle(HEARTBEAT, self._on_heartbeat)
         self.host.handle(LEASE, self._on_lease)
@@ -174,18 +179,19 @@ class SwarmSampler:
         with self._publishing:
             if not self.board.live(self.verifier.flagged):
                 return False
-            if self.newest is not None and self.newest[0] is weights:
-                self.board.add(SwarmJob(req, prompt, draw, self.newest[1], params, stop_strings, answer, here))
+            version = next((v for v, w in self.published.items() if w is weights), None)
+            if version is not None and version > self.board.version - KEPT:  # (its chunks and replay still kept)
+                self.board.add(SwarmJob(req, prompt, draw, version, params, stop_strings, answer, here))
                 return True
-            if self.board.busy():  # workers are busy with the newest sampler's requests
-                return False
+            working, version = self.board.working(), self.board.version + 1
+            if len(working) >= ADAPTER_SLOTS or (working and min(working) <= version - KEPT):
+                return False  # the workers' slots are taken, or the oldest would be dropped under its requests
             adapters = workers_adapters(weights.adapters)
             if adapters is None:
                 return False  # (beyond f16's range: only the float32 sampler here can draw it)
-            version = self.board.version + 1
             self.publisher.publish(version, adapters)
             self.verifier.remember(version, adapters, 0)
-            self.newest = (weights, version)
+            self.published = {v: w for v, w in self.published.items() if v > version - KEPT} | {version: weights}
             self.board.publish(version, SwarmJob(req, prompt, draw, version, params, stop_strings, answer, here))
         return True
 
@@ -200,13 +206,13 @@ class SwarmSampler:
     def _on_heartbeat(self, peer: str, msg: dict) -> dict:
         beat = Heartbeat.from_wire(msg)
         self.board.seen(peer, beat.version, beat.hardware.get("max_batch"))
-        return HeartbeatReply(self.board.version).to_wire()
+        return HeartbeatReply(self.board.version, tuple(sorted(self.board.working()))).to_wire()
 
     def _on_lease(self, peer: str, msg: dict) -> dict:
         request = LeaseRequest.from_wire(msg)
         if peer in self.verifier.flagged:
             raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
-        lease = self.board.lease(peer, request.version, request.max_groups)
+        lease = self.board.lease(peer, request.version, request.max_groups, request.held)
         if lease is None:
             return LeaseReply(wait=0.3, newest=self.board.version).to_wire()
         requests = [
