@@ -57,6 +57,8 @@ def test_a_sample_scored_alone_has_the_same_logprobs_whatever_batch_it_was_drawn
         scorer.score(other, prompt, a, 0.8, 0.9)  # (another sampler's adapters in the scorer's model)
         scored_a = scorer.score(weights, prompt, a, 0.8, 0.9)
         assert flat(scored_t) == flat(scored_a)  # bit for bit
+        off = Drawn([Completion(s.tokens, [x + 0.01 for x in s.logprobs], s.finish_reason) for s in t.samples], None)
+        assert flat(scorer.score(weights, prompt, off, 0.8, 0.9)) == flat(scored_t)  # computed anew, not kept
         assert np.allclose(flat(scored_t), flat(t), atol=1e-4)  # the sampler's own distribution
         assert [s.tokens for s in scored_t.samples] == [s.tokens for s in t.samples]
     greedy = Drawn([Completion([4, 5], [0.0, 0.0], "length")], None)

@@ -123,6 +123,8 @@ def test_a_tinker_client_trains_a_lora_model_and_every_loss_is_the_formula_on_th
     assert got == pytest.approx(by_hand, rel=1e-4, abs=1e-5)
     with pytest.raises(tinker.RequestFailedError, match="beta"):  # (Tinker's default beta is not published)
         tc.forward([datum(tokens, logprobs=q, advantages=adv)], "dro").result()
+    with pytest.raises(tinker.RequestFailedError, match="beta"):  # (beyond float32 in the penalty)
+        tc.forward([datum(tokens, logprobs=q, advantages=adv)], "dro", {"beta": 1e30}).result()
 
     # gspo: each datum's tokens carry its sequence ratio, the geometric mean over the tokens its mask marks
     mask, other = [0.0, 1.0, 1.0, 1.0, 0.0, 1.0], tokens[::-1]

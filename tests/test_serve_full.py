@@ -62,6 +62,14 @@ def test_a_full_fine_tuning_client_trains_every_weight_and_samples_and_checkpoin
         scored = lora.save_weights_and_get_sampling_client().compute_logprobs(types.ModelInput.from_ints(TOKENS))
         assert np.allclose(scored.result()[1:], base, atol=1e-4)  # the local sampler has the base back
 
+        named = [tc.save_weights_for_sampler(name).result().path for name in ("one", "two")]
+        one, two = (sc.create_sampling_client(model_path=p) for p in named)
+        first = one.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()
+        two.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()  # (one's weights leave memory)
+        assert len(svc.full_samplers) == 1 and svc.full_samplers[0].name.endswith("two")
+        assert one.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()[1:] == first[1:]  # read again
+        assert np.allclose(first[1:], trained, atol=1e-4)
+
         path = tc.save_state("full").result().path
         run = sc.create_rest_client().get_training_run_by_tinker_path(path).result()
         assert run.is_lora is False and run.lora_rank is None
@@ -75,6 +83,12 @@ def test_a_full_fine_tuning_client_trains_every_weight_and_samples_and_checkpoin
         other.close("success").result()
         restored = client(url).create_training_client_from_state_with_optimizer(path).result()
         assert np.allclose(logprobs(restored), trained, atol=1e-6)
+
+
+def test_full_fine_tuning_is_off_unless_the_server_allows_it(tmp_path):
+    options = ServeOptions(("tiny",), str(tmp_path / "cache"), "cpu", frozenset({KEY_A}), str(tmp_path / "ck"))
+    with serving(options) as url, pytest.raises(tinker.BadRequestError, match="max-full-models"):
+        client(url).create_lora_training_client(base_model="tiny", rank=0).result()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -174,6 +174,56 @@ def test_one_worker_draws_two_tenants_samplers_switching_adapters_per_lease(tmp_
             worker.wait(30)
 
 
+def test_the_board_leases_the_versions_a_worker_holds_and_never_a_lost_lease_it_dropped(monkeypatch):
+    """SampleBoard with two versions' requests: a worker running one is leased its own (no switch) unless the
+    other's waited SWITCH_S longer; a worker holding the other's adapters is leased that; a lease whose reply was
+    lost is given again only while the worker still holds its version, else its requests queue again (nobody
+    banned); a held version never published is a lie."""
+    from learner.serve.sample_queue import SampleBoard, SwarmJob
+    from p2p.messages import SamplingParams
+
+    board = SampleBoard()
+    params = SamplingParams(1.0, 1.0, 4, 0)
+    req = types.SampleRequest(prompt=types.ModelInput.from_ints([5, 17]), num_samples=2,
+                              sampling_params=types.SamplingParams(max_tokens=4))  # fmt: skip
+
+    def job(version: int, age: float = 0.0) -> SwarmJob:
+        made = SwarmJob(req, [5, 17], secrets.randbits(63), version, params, [], lambda d: None, lambda: None)
+        made.queued_at -= age
+        return made
+
+    board.publish(1, job(1, age=1.0))
+    board.publish(2, job(2))
+    for peer in ("a", "b", "c"):
+        board.seen(peer, 1, 4)
+    assert board.working() == {1, 2}
+    assert board.lease("a", 2, 8).version == 2  # its own version's, though v1's is a second older
+    assert board.lease("b", 1, 8, held=(2,)).version == 1
+    assert board.lease("c", 0, 8) is None  # holds neither
+    board.add(job(1, age=10.0))
+    board.add(job(2))
+    assert board.lease("c", 2, 8, held=(1,)).version == 1  # v1's waited far longer: the switch is worth it
+    lost = board.lease("a", 2, 8)  # a asks again: the same lease (its reply was lost)
+    assert lost is not None and lost.version == 2
+    assert board.lease("a", 3, 8) is None  # it no longer holds v2 (nor v3's requests exist): requeued
+    assert [j.version for j in board.queue] == [2, 2] and "a" not in board.banned
+    with pytest.raises(Misbehaviour):
+        board.lease("a", 1, 8, held=(9,))
+
+
+def test_a_worker_keeps_the_adapters_wanted_and_drops_the_others_first():
+    from worker.fetcher import VersionFetcher
+
+    class Peer:
+        on_announce = None
+
+    fetcher = VersionFetcher(Peer(), None, None, lambda: 0, lambda: 0, slots=2)
+    fetcher._keep(5, {"a": np.zeros(1)})
+    fetcher._keep(6, {"a": np.zeros(1)})
+    fetcher._keep(7, {"a": np.zeros(1)}, wanted=frozenset({5, 7}))
+    assert list(fetcher.held_adapters()) == [5, 7]  # 6 went: nothing waits on it
+
+
 @pytest.fixture(scope="module")
 def side(tmp_path_factory):
     folder = tmp_path_factory.mktemp("swarm")

@@ -268,7 +268,11 @@ class WorkerDaemon:
     def _work(self, lease: LeaseGrant, held: dict[int, dict]) -> None:
         """Generate a lease's groups and push them; `held`: the adapters of the versions this worker said it holds
         (a lease on one of them switches to it first)."""
-        if lease.min_version != self.version and lease.min_version in held:
+        if lease.min_version != self.version and self.fetcher.slots > 1:  # a lease on a version held: switch
+            if lease.min_version not in held:  # (never granted so: the learner leases only versions named)
+                log.warning("lease %d is for v%d, whose adapters this worker does not hold; dropped", lease.id,
+                            lease.min_version)  # fmt: skip
+                return
             tick = time.perf_counter()
             self.engine.load_adapters(self.spec, held[lease.min_version])
             self.version = lease.min_version

@@ -125,11 +125,13 @@ class VersionFetcher:
         with self._lock:
             return dict(self.adapters)
 
-    def _keep(self, version: int, adapters: dict[str, np.ndarray]) -> None:
+    def _keep(self, version: int, adapters: dict[str, np.ndarray], wanted: frozenset[int] = frozenset()) -> None:
+        """Keep `version`'s adapters; beyond `slots`, drop the oldest fetched, those not `wanted` first."""
         with self._lock:
             self.adapters[version] = adapters
             while len(self.adapters) > self.slots:
-                self.adapters.popitem(last=False)
+                old = next((v for v in self.adapters if v not in wanted), next(iter(self.adapters)))
+                del self.adapters[old]
 
     def _current(self) -> int:
         """The version the engine runs, or the one the daemon took to install (not to be fetched again)."""
@@ -142,7 +144,7 @@ class VersionFetcher:
         while not self._stop.is_set():
             try:
                 self.announced = self._newest()
-                if self.slots > 1 and self._current() >= 0:  # the base runs: adapters only, never staged
+                if self.slots > 1 and self._current() >= 0 and self.held is not None:  # adapters only, never staged
                     self._fetch_held()
                 elif self._staged is None and self.announced >= 0 and self.announced != self._current():
                     self._fetch_and_stage()
@@ -210,13 +212,17 @@ class VersionFetcher:
         log.debug("v%d staged (%.1fs to fetch and load)", version, staged.fetch_s)
 
     def _fetch_held(self) -> None:
-        """(slots > 1) Fetch the adapters of the newest and the active versions not kept, newest first."""
-        for version in sorted({self.announced, *self._active()} - set(self.held_adapters()), reverse=True):
-            if self._stop.is_set() or self.held is None or version <= self.held[0]:
-                continue  # (the base itself, or older: no adapters on it)
+        """(slots > 1) Fetch the adapters of the active versions not kept (at most `slots` of them), or of the
+        newest where none is active, newest first; the version the engine runs counts as kept."""
+        base = self.held[0] if self.held is not None else -1
+        active = frozenset(v for v in self._active() if v > base)
+        wanted = sorted(active, reverse=True)[: self.slots] if active else [self.announced]
+        for version in [v for v in wanted if v > base and v not in self.held_adapters() and v != self._running()]:
+            if self._stop.is_set():
+                return
             self.fetching = version
             manifest = self.peer.fetch_manifest(version)
-            if manifest.adapter_base != self.held[0]:  # adapters on another base: not a version to switch to
+            if manifest.adapter_base != base:  # adapters on another base: not a version to switch to
                 continue
-            self._keep(version, tensors_of(manifest, self.peer.fetch_adapters(manifest, stop=self._stop)))
+            self._keep(version, tensors_of(manifest, self.peer.fetch_adapters(manifest, stop=self._stop)), active)
             log.debug("v%d's adapters kept (%d versions held)", version, len(self.adapters))

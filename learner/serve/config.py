@@ -31,9 +31,10 @@ class ServeConfig:
     """Where save_state checkpoints and named sampler weights are kept (they outlive the server)."""
     max_models_per_key: int = 4
     """Training clients one API key may hold at once (each its adapters and AdamW state; the base is shared)."""
-    max_full_models: int = 1
-    """Full fine-tuning clients (LoRA rank 0) at once, all keys together: each holds a float32 copy of its base
-    model, its gradient and AdamW's moments, 16 bytes a parameter (0: LoRA only)."""
+    max_full_models: int = 0
+    """Full fine-tuning clients (LoRA rank 0) at once, all keys together (0: LoRA only). Each holds a float32 copy
+    of its base model, its gradient and AdamW's moments (16 bytes a parameter), and its samplers and
+    checkpoints every weight (docs/tinker.md)."""
 
     swarm_listen: str = ""
     """Multiaddr where workers join to draw samples (e.g. /ip4/0.0.0.0/tcp/4001; "": all drawn here)."""

@@ -2,11 +2,12 @@
 standing (learner.serve.swarm serves the protocols around it).
 
     add(job)             a request on a published sampler version, queued
-    lease(worker, ...)   the oldest queued request of the version the worker runs, else of a version whose adapters
-                         it holds (it switches to it), and those of equal params, up to LEASE_SEQUENCES of its
-                         batches and LEASE_TOKENS tokens (the first request whole; a worker not yet proven: that
-                         request alone); one lease per worker, out or being verified (asked again while one is
-                         out: the reply was lost, the same lease again)
+    lease(worker, ...)   the oldest queued request of a version the worker runs or holds the adapters of (it switches
+                         to it; its own version's if queued within SWITCH_S of that), and those of equal params,
+                         up to LEASE_SEQUENCES of its batches and LEASE_TOKENS tokens (the first request whole; a
+                         worker not yet proven: that request alone); one lease per worker, out or being verified
+                         (asked again while one is out: the reply was lost, the same lease again, unless the
+                         worker no longer holds its version: then its requests queue again)
     take(worker, id)     the worker's answer arrived: its lease is being verified (its version stays working())
     done(lease, ...)     verified: the worker is proven; refused: the worker is banned (and proven no more) and
                          the requests are drawn here; our own failure: drawn here, nobody banned
@@ -41,6 +42,7 @@ SILENCE_S = 30.0  # a worker not heard from this long is gone: its lease lapses
 ASKED_S = 5.0  # a worker counts as live while it asks for leases this often (or holds one)
 LAPSE_BAN_S = 600.0  # a worker whose lease lapsed or was refused gets no lease this long
 LEASE_SEQUENCES = 4  # a lease holds at most this many of the worker's batches (several workers share a batch)
+SWITCH_S = 2.0  # a worker keeps its version's requests before older ones of another version queued this much earlier
 
 
 @dataclass(eq=False)
@@ -171,14 +173,19 @@ class SampleBoard:
             worker.seen = worker.asked = now
             worker.version = version
             out = next((lease for lease in self.leases.values() if lease.worker == peer), None)
-            if out is not None:  # it asks again: our reply was lost (a worker asks only when it holds none)
-                return out
+            if out is not None and out.version in (version, *held):  # it asks again: our reply was lost (a worker
+                return out  # asks only when it holds none)
+            if out is not None:  # lost, and its version since dropped by the worker: the requests queue again
+                del self.leases[out.lease_id]
+                self.queue = out.jobs + self.queue
             if self.banned.get(peer, 0.0) >= now or any(lease.worker == peer for lease in self.verifying.values()):
                 return None
-            first = next((job for job in self.queue if job.version == version), None)  # no switch where it can
-            first = first or next((job for job in self.queue if job.version in held), None)
+            first = next((job for job in self.queue if job.version in (version, *held)), None)  # the oldest it can
+            own = next((job for job in self.queue if job.version == version), None)  # (no switch)
             if first is None:
                 return None
+            if own is not None and own.queued_at - first.queued_at <= SWITCH_S:
+                first = own
             n = first.req.num_samples
             split = -(-n // worker.max_batch)  # groups per request, each of group_size samples (>= n in all)
             group_size = -(-n // split)
@@ -271,6 +278,7 @@ class SampleBoard:
     def summary(self) -> dict:
         with self._lock:
             return {"version": self.version, "workers": len(self.workers), "queued": len(self.queue),
-                    "versions": sorted({job.version for job in self.queue}),
+                    "versions": sorted({job.version for job in self.queue} | {x.version for x in self.leases.values()}
+                                       | {x.version for x in self.verifying.values()}),
                     "leases": len(self.leases) + len(self.verifying), "answered": self.answered,
                     "sampled_here": self.drawn_here}  # fmt: skip

@@ -57,7 +57,7 @@ class Loaded:
     vocab: int
     context: int
     current: SamplerWeights | None = None
-    base: dict[str, np.ndarray] | None = None  # the base's weights (float32), loaded again after a full sampler
+    base: dict[str, np.ndarray] | None = None  # the base's weights, loaded again after a full sampler (once one came)
 
 
 @dataclass
@@ -130,16 +130,14 @@ class LocalSampler:
             policy = load_policy(weights.base_model, self.cache_dir)
             spec = replace(model_spec(policy), lora_rank=1, lora_alpha=1.0)  # a rank: the engine keeps its base
             engine = self.make_engine()
-            sixteen = weights.base_model in self.as_workers
-            tensors = wire_tensors(policy.model, "f16" if sixteen else "f32")
-            tensors = {name: to_float32(a) for name, a in tensors.items()}
-            engine.load_policy(spec, tensors)
+            engine.load_policy(spec, self._base(policy.model, weights.base_model))
             cfg = policy.model.config
             context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
             loaded = Loaded(engine, spec, policy.tokenizer, int(cfg.vocab_size), context)
-            loaded.base = tensors  # (for after a full sampler; on the CPU the engine's base shares these arrays)
             self.loaded[weights.base_model] = loaded
         if loaded.current is not weights and weights.full:  # every weight: they take the base's place
+            if loaded.base is None:  # (kept from the first full sampler on, to put the base back after one)
+                loaded.base = self._base(load_policy(weights.base_model, self.cache_dir).model, weights.base_model)
             loaded.engine.load_policy(loaded.spec, weights.adapters)
             loaded.current = weights
         elif loaded.current is not weights:
@@ -154,6 +152,11 @@ class LocalSampler:
             loaded.engine.load_adapters(replace(loaded.spec, lora_rank=rank, lora_alpha=float(rank)), adapters)
             loaded.current = weights
         return loaded
+
+    def _base(self, model: Any, base_model: str) -> dict[str, np.ndarray]:
+        """A base model's weights as the engine takes them: float32, rounded to f16 first where workers sample it."""
+        tensors = wire_tensors(model, "f16" if base_model in self.as_workers else "f32")
+        return {name: to_float32(a) for name, a in tensors.items()}
 
     @staticmethod
     def _prompt_logprobs(loaded: Loaded, prompt: list[int], req: types.SampleRequest) -> list[float]:

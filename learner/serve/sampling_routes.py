@@ -113,12 +113,12 @@ async def asample(svc: Service, key: str, body: Any) -> dict:
         if svc.scorer is None:
             future.set_result(sample_response(drawn))
         else:  # (scored on the model thread, which holds the scorer)
-            svc.thread.run(key, future, lambda: sample_response(scored(svc, saved, req, drawn)))
+            svc.thread.run(key, future, lambda: sample_response(scored(svc, weights, req, drawn)))
 
-    by_workers = False
-    if svc.swarm is not None and saved.weights is not None:
+    by_workers, weights = False, saved.weights
+    if svc.swarm is not None and weights is not None:
         try:  # (off the event loop: publishing a sampler's adapters takes a moment)
-            by_workers = await asyncio.to_thread(svc.swarm.submit, saved.weights, req, draw, answer, here)
+            by_workers = await asyncio.to_thread(svc.swarm.submit, weights, req, draw, answer, here)
         except RequestError as exc:  # (the future's error, as where the request is drawn here)
             future.set_exception(exc)
             by_workers = True
@@ -139,20 +139,21 @@ def sample_here(svc: Service, key: str, saved: Saved, req: types.SampleRequest, 
             draw_batch(svc, saved, entry)
         if isinstance(entry.result, BaseException):
             raise entry.result
-        return sample_response(scored(svc, saved, req, entry.result))
+        return sample_response(scored(svc, entry.weights, req, entry.result))
 
     with saved.lock:
         saved.queue.append(entry)
     svc.thread.run(key, future, job)
 
 
-def scored(svc: Service, saved: Saved, req: types.SampleRequest, drawn: Drawn) -> Drawn:
-    """`drawn`, its logprobs scored alone where the server has a sample seed (learner.serve.scorer: the same
-    bits whichever batch, worker or tenant it was drawn beside). On the model thread."""
-    if svc.scorer is None or saved.weights is None:
+def scored(svc: Service, weights: SamplerWeights | None, req: types.SampleRequest, drawn: Drawn) -> Drawn:
+    """`drawn` (from `weights`), its logprobs scored alone where the server has a sample seed
+    (learner.serve.scorer: the same bits whichever batch, worker or tenant it was drawn beside). On the model
+    thread."""
+    if svc.scorer is None or weights is None:
         return drawn
     p = req.sampling_params
-    return svc.scorer.score(saved.weights, req.prompt.to_ints(), drawn, p.temperature, p.top_p)
+    return svc.scorer.score(weights, req.prompt.to_ints(), drawn, p.temperature, p.top_p)
 
 
 def sample_response(drawn: Drawn) -> bytes:
@@ -168,6 +169,7 @@ class Draw:
     req: types.SampleRequest
     draw: int
     result: Drawn | BaseException | None = None
+    weights: SamplerWeights | None = None  # what it was drawn from (a full sampler's may be dropped from memory)
 
 
 def draw_batch(svc: Service, saved: Saved, entry: Draw) -> None:
@@ -189,13 +191,17 @@ def draw_batch(svc: Service, saved: Saved, entry: Draw) -> None:
                 raise RequestError("asample: the sampler's checkpoint was deleted") from None
             run = saved.found.run
             saved.weights = SamplerWeights(saved.base_model, run.lora_rank, adapters, run.full)
+            if run.full:  # every weight in memory: a few such samplers at once, the others read again when asked
+                svc.full_samplers.append(saved)
+                while len(svc.full_samplers) > max(1, svc.options.max_full_models):
+                    svc.full_samplers.popleft().weights = None
         if saved.weights is None:
             raise RequestError("asample: this sampler's weights were never saved (its save_weights_for_sampler failed)")
         results: list[Any] = svc.sampler.sample_batch(saved.weights, [d.req for d in batch], [d.draw for d in batch])
     except Exception as exc:  # noqa: BLE001 - every request of the batch fails with it (logged by its own job)
         results = [exc] * len(batch)
     for drawn, result in zip(batch, results, strict=True):
-        drawn.result = result
+        drawn.result, drawn.weights = result, saved.weights
 
 
 def saved_weights(svc: Service, key: str, model_path: str | None, base_model: str | None) -> Saved:

@@ -45,7 +45,7 @@ class ServeOptions:
     api_keys: frozenset[str]
     checkpoint_dir: str  # where save_state and named sampler weights are kept (learner.serve.checkpoints)
     max_models_per_key: int = 4
-    max_full_models: int = 1  # full fine-tuning clients at once, all keys together (0: LoRA only)
+    max_full_models: int = 0  # full fine-tuning clients at once, all keys together (0: LoRA only)
     swarm_listen: str = ""  # where workers join to sample (learner.serve.swarm); "": every sample is drawn here
     swarm_dir: str = ""  # the swarm side's identity, its address file (learner.addr) and its chunks
     swarm_secret: bytes | None = None  # only workers proving it sample (p2p.auth)
@@ -101,6 +101,8 @@ class Service:
         self.store = CheckpointStore(options.checkpoint_dir)
         self.shared: dict[str, SharedBase] = {}  # base model -> the copy its training clients share (model thread)
         self._bases: dict[str, SamplerWeights] = {}
+        self.full_samplers: deque[Saved] = deque()  # checkpoint samplers holding every weight, newest last (model
+        # thread): beyond max(1, max_full_models), the oldest drop theirs (read again from the checkpoint if asked)
         self.swarm: SwarmSampler | None = None  # workers sampling the first served model, where they may join
         if options.swarm_listen:
             device = str(resolve_device(options.device))

@@ -179,11 +179,14 @@ class SwarmSampler:
         with self._publishing:
             if not self.board.live(self.verifier.flagged):
                 return False
+            working = self.board.working()
             version = next((v for v, w in self.published.items() if w is weights), None)
             if version is not None and version > self.board.version - KEPT:  # (its chunks and replay still kept)
+                if version not in working and len(working) >= ADAPTER_SLOTS:
+                    return False  # the workers' slots are taken
                 self.board.add(SwarmJob(req, prompt, draw, version, params, stop_strings, answer, here))
                 return True
-            working, version = self.board.working(), self.board.version + 1
+            version = self.board.version + 1
             if len(working) >= ADAPTER_SLOTS or (working and min(working) <= version - KEPT):
                 return False  # the workers' slots are taken, or the oldest would be dropped under its requests
             adapters = workers_adapters(weights.adapters)

@@ -157,8 +157,8 @@ class TrainedModel:
         config = loss.config | request.config
         if missing := sorted(k for k, v in config.items() if v != v):  # (losses.REQUIRED is NaN)
             raise RequestError(f"loss_fn {request.loss_fn} needs loss_fn_config values for {missing} (no default)")
-        if config.get("beta", 0.0) < 0.0:
-            raise RequestError(f"loss_fn_config: beta {config['beta']} must be >= 0")
+        if not 0.0 <= config.get("beta", 0.0) <= 1e6:  # (larger overflows float32 in the penalty)
+            raise RequestError(f"loss_fn_config: beta {config['beta']} must be in [0, 1e6]")
         low, high = config.get("clip_low_threshold", 0.0), config.get("clip_high_threshold", 0.0)
         if not 0.0 <= low <= high:
             raise RequestError(f"loss_fn_config: clip_low_threshold {low} must be in [0, clip_high_threshold {high}]")
