@@ -554,14 +554,16 @@ def test_keys_take_turns_on_the_model_thread():
     assert ran == ["a0", "a1", "b1", "a2", "a3", "a4"]
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
 @pytest.mark.parametrize("family", __import__("tests.families", fromlist=["FAMILIES"]).FAMILIES)
-def test_every_family_serves_the_logprobs_of_its_own_forward_and_trains(family, tmp_path):
+def test_every_family_serves_the_logprobs_of_its_own_forward_and_trains(family, full, tmp_path):
     """A training client on each family's tiny model (an HF folder, as a user serves one), with the output
-    layer's adapter too: forward's logprobs are the base model's own (fresh adapters are zero), and two
-    cross_entropy steps lower the loss; the local sampler, given the trained adapters, scores the prompt as the
-    trained model does (the output layer's adapter included, tied or not)."""
+    layer's adapter too, or every weight trained (full fine-tuning): forward's logprobs are the base model's own
+    (fresh adapters are zero), and cross_entropy steps lower the loss; the local sampler, given the trained
+    adapters (or weights), scores the prompt as the trained model does (the output layer included, tied or not),
+    and the base model again after."""
     from learner.serve.sampler import LocalSampler, SamplerWeights
-    from learner.serve.trained_model import SharedBase, TrainedModel
+    from learner.serve.trained_model import OwnCopy, SharedBase, TrainedModel
     from learner.serve.wire import Datum, ForwardBackward
     from learner.train.models import load_policy
     from tests.families import save_family
@@ -573,7 +575,10 @@ def test_every_family_serves_the_logprobs_of_its_own_forward_and_trains(family, 
         logits = base(input_ids=torch.tensor([tokens[:-1]])).logits[0].float()  # [T, V]
     want = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1).numpy()
 
-    served = TrainedModel(SharedBase(folder, "unused", "cpu"), lora_rank=4, head=True)
+    if full:
+        served = TrainedModel(OwnCopy(folder, "unused", "cpu"), lora_rank=0)
+    else:
+        served = TrainedModel(SharedBase(folder, "unused", "cpu"), lora_rank=4, head=True)
 
     def request(forward_only: bool) -> ForwardBackward:
         inputs = {"target_tokens": np.array(tokens[1:], np.int64)}
@@ -584,14 +589,15 @@ def test_every_family_serves_the_logprobs_of_its_own_forward_and_trains(family, 
     losses = []
     for _ in range(3):
         losses.append(served.forward_backward(request(forward_only=False))[1]["loss:sum"])
-        served.optim_step(0.02, (0.9, 0.95), 1e-8, 0.0, 1.0)
+        served.optim_step(0.005 if full else 0.02, (0.9, 0.95), 1e-8, 0.0, 1.0)
     assert losses[-1] < losses[0], (family, losses)
 
     trained = served.forward_backward(request(forward_only=True))[0][0]
     sampler = LocalSampler(sampler_engine, "unused")
     prompt = types.ModelInput.from_ints(tokens[:-1])
     ask = types.SampleRequest(prompt=prompt, sampling_params=types.SamplingParams(max_tokens=1), prompt_logprobs=True)
-    scored = sampler.sample(SamplerWeights(folder, 4, served.adapter_tensors()), ask).prompt_logprobs
+    weights = SamplerWeights(folder, 0 if full else 4, served.adapter_tensors(), full)
+    scored = sampler.sample(weights, ask).prompt_logprobs
     assert np.allclose(scored[1:], trained[:-1], atol=1e-4), family
     torch.set_num_threads(2)
     base_scored = sampler.sample(SamplerWeights(folder, 0, {}), ask).prompt_logprobs  # the adapters replaced

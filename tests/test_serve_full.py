@@ -1,5 +1,6 @@
 """Full fine-tuning through `echo-rl serve` (a create_model with LoRA rank 0 or no lora_config): every weight
-trained, sampled from, checkpointed, on a copy of its own beside the LoRA clients' shared base."""
+trained, sampled from, checkpointed, on a copy of its own beside the LoRA clients' shared base (each family:
+tests/test_serve.py)."""
 
 import numpy as np
 import pytest
@@ -9,7 +10,6 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 from learner.serve.service import ServeOptions, make_app  # noqa: E402
-from tests.families import FAMILIES  # noqa: E402
 from tests.test_serve import KEY_A, KEY_B, by_hand_logprobs, client, datum, sampler_engine, serving  # noqa: E402
 
 TOKENS = [5, 17, 99, 3, 42, 7, 61]
@@ -89,41 +89,3 @@ def test_full_fine_tuning_is_off_unless_the_server_allows_it(tmp_path):
     options = ServeOptions(("tiny",), str(tmp_path / "cache"), "cpu", frozenset({KEY_A}), str(tmp_path / "ck"))
     with serving(options) as url, pytest.raises(tinker.BadRequestError, match="max-full-models"):
         client(url).create_lora_training_client(base_model="tiny", rank=0).result()
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_every_family_trains_every_weight_and_samples_them(family, tmp_path):
-    """Full fine-tuning on each family's tiny model (tied output layers or not): forward starts at the base
-    model's logprobs, cross_entropy steps lower the loss, and the local sampler given every trained weight
-    scores the prompt as the trained model does."""
-    from learner.serve.sampler import LocalSampler, SamplerWeights
-    from learner.serve.trained_model import OwnCopy, TrainedModel
-    from learner.serve.wire import Datum, ForwardBackward
-    from learner.train.models import load_policy
-    from tests.families import save_family
-
-    folder = str(save_family(family, tmp_path / family))
-    model = load_policy(folder, "unused").model
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([TOKENS[:-1]])).logits[0].float()  # [T, V]
-    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(TOKENS[1:])[:, None]).squeeze(1).numpy()
-    served = TrainedModel(OwnCopy(folder, "unused", "cpu"), 0)
-
-    def request(forward_only: bool) -> ForwardBackward:
-        inputs = {"target_tokens": np.array(TOKENS[1:], np.int64)}
-        return ForwardBackward("m", 1, "cross_entropy", {}, forward_only, [Datum(np.array(TOKENS[:-1]), inputs)])
-
-    assert np.allclose(served.forward_backward(request(forward_only=True))[0][0], want, atol=1e-4), family
-    losses = []
-    for _ in range(3):
-        losses.append(served.forward_backward(request(forward_only=False))[1]["loss:sum"])
-        served.optim_step(0.005, (0.9, 0.95), 1e-8, 0.0, 1.0)
-    assert losses[-1] < losses[0], (family, losses)
-    trained = served.forward_backward(request(forward_only=True))[0][0]
-    ask = types.SampleRequest(prompt=types.ModelInput.from_ints(TOKENS[:-1]),
-                              sampling_params=types.SamplingParams(max_tokens=1), prompt_logprobs=True)  # fmt: skip
-    sampler = LocalSampler(sampler_engine, "unused")
-    scored = sampler.sample(SamplerWeights(folder, 0, served.adapter_tensors(), full=True), ask).prompt_logprobs
-    assert np.allclose(scored[1:], trained[:-1], atol=1e-4), family
-    base_scored = sampler.sample(SamplerWeights(folder, 0, {}), ask).prompt_logprobs  # the base back
-    assert np.allclose(base_scored[1:], want[:-1], atol=1e-4), family
