@@ -207,6 +207,12 @@ def test_the_board_leases_the_versions_a_worker_holds_and_never_a_lost_lease_it_
     assert lost is not None and lost.version == 2
     assert board.lease("a", 3, 8) is None  # it no longer holds v2 (nor v3's requests exist): requeued
     assert [j.version for j in board.queue] == [2, 2] and "a" not in board.banned
+    for worker in board.workers.values():
+        worker.asked = 0.0  # (none asked lately)
+    assert board.live({})  # b's and c's leases are out
+    board.take("b", board.lease("b", 1, 8, held=(2,)).lease_id)
+    board.leases.clear()
+    assert board.live({})  # b's answer is being verified: it asks again once that is done
     with pytest.raises(Misbehaviour):
         board.lease("a", 1, 8, held=(9,))
 

@@ -135,11 +135,12 @@ class SampleBoard:
                 worker.max_batch = min(max(max_batch, 1), 256)
 
     def live(self, flagged: dict[str, str]) -> bool:
-        """Whether a worker may draw a request soon: it asks for leases (or holds one), runs a version (it fetches
-        the others), and is neither banned nor flagged."""
+        """Whether a worker may draw a request soon: it asks for leases (or holds one, out or being verified: it
+        asks again once its answer is taken), runs a version (it fetches the others), and is neither banned nor
+        flagged."""
         now = time.monotonic()
         with self._lock:
-            holding = {lease.worker for lease in self.leases.values()}
+            holding = {lease.worker for lease in [*self.leases.values(), *self.verifying.values()]}
             return any(
                 (now - w.asked <= ASKED_S or peer in holding) and w.version >= 0 and peer not in flagged
                 and self.banned.get(peer, 0.0) < now
