@@ -15,8 +15,9 @@ owns the engine's version. Errors are the fetcher's to absorb: it logs, waits an
 daemon's own requests notice an unreachable learner.
 
 Several LoRA versions at once (`slots` > 1: SpecReply.adapter_slots, `echo-rl serve`'s tenants): once the base
-runs, the fetcher stages nothing more; it keeps the adapters of the newest and the active versions (the
-heartbeat's `active`), the newest `slots` fetched, and the daemon loads a lease's version itself.
+runs, the fetcher stages nothing more; it fetches the adapters of the active versions (the heartbeat's
+`active`: requests wait on them), or of the newest while none is, keeps `slots` of them (dropping those no
+request waits on first), and the daemon loads a lease's version itself.
 """
 
 from __future__ import annotations
