@@ -150,8 +150,11 @@ class SampleBoard:
     def working(self) -> set[int]:
         """The versions whose requests are queued, leased or being verified."""
         with self._lock:
-            leased = [*self.leases.values(), *self.verifying.values()]
-            return {job.version for job in self.queue} | {lease.version for lease in leased}
+            return self._working()
+
+    def _working(self) -> set[int]:  # (the caller holds the lock)
+        leased = [*self.leases.values(), *self.verifying.values()]
+        return {job.version for job in self.queue} | {lease.version for lease in leased}
 
     def publish(self, version: int, job: SwarmJob) -> None:
         """`version` is the newest sampler version now, and `job` its first request."""
@@ -279,7 +282,6 @@ class SampleBoard:
     def summary(self) -> dict:
         with self._lock:
             return {"version": self.version, "workers": len(self.workers), "queued": len(self.queue),
-                    "versions": sorted({job.version for job in self.queue} | {x.version for x in self.leases.values()}
-                                       | {x.version for x in self.verifying.values()}),
+                    "versions": sorted(self._working()),
                     "leases": len(self.leases) + len(self.verifying), "answered": self.answered,
                     "sampled_here": self.drawn_here}  # fmt: skip

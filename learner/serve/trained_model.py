@@ -82,7 +82,7 @@ class SharedBase:
 
 
 class OwnCopy(SharedBase):
-    """A base model loaded for one full fine-tuning client: every weight its to train (SharedBase's interface)."""
+    """A base model loaded for one full fine-tuning client: every weight its own to train (SharedBase's interface)."""
 
     def add(self, rank: int, seed: int, head: bool) -> str:
         self.model.requires_grad_(True)
