@@ -19,13 +19,16 @@ honest_play = daemon.generate_rollouts
 def forged_play(generate, requests, params, rules=None, remote=None):
     groups = honest_play(generate, requests, params, rules, remote)
     for group in groups:
-        first = group[0]
         if FORGE == "reward":
-            group[0] = dataclasses.replace(first, reward=first.reward + 1.0)
-        elif len(first.spans) > 1:  # an observation to change
-            tokens = list(first.tokens)
-            tokens[first.spans[0]] = (tokens[first.spans[0]] + 1) % 200
-            group[0] = dataclasses.replace(first, tokens=tokens)
+            group[0] = dataclasses.replace(group[0], reward=group[0].reward + 1.0)
+            continue
+        # An observation to change: the group's first episode that has one (an episode can end after its first
+        # turn; forging only the group's first member left whole runs unforged now and then).
+        i = next((i for i, episode in enumerate(group) if len(episode.spans) > 1), None)
+        if i is not None:
+            tokens = list(group[i].tokens)
+            tokens[group[i].spans[0]] = (tokens[group[i].spans[0]] + 1) % 200
+            group[i] = dataclasses.replace(group[i], tokens=tokens)
     return groups
 
 
