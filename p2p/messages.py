@@ -535,13 +535,15 @@ def _vocab(packed: object) -> dict[str, list]:
 @dataclass(frozen=True)
 class LeaseGrant:
     """A lease: prompt groups to complete G times each with `params` (its seed keys every draw), using a
-    policy version >= min_version, within deadline_s seconds."""
+    policy version >= min_version, within deadline_s seconds. `alone`: each prompt group drawn in waves of its
+    own (`echo-rl serve --sample-seed`: a group's tokens then do not depend on what else the lease holds)."""
 
     id: int
     requests: list[GenerationRequest]
     params: SamplingParams
     min_version: int
     deadline_s: float
+    alone: bool = False
 
     def to_wire(self) -> dict:
         p = self.params
@@ -559,7 +561,7 @@ class LeaseGrant:
                        "seed": p.seed} | ({"stop_ids": sorted(p.stop_ids)} if p.stop_ids else {}),
             "min_version": self.min_version,
             "deadline_s": self.deadline_s,
-        }  # fmt: skip
+        } | ({"alone": True} if self.alone else {})  # fmt: skip
 
     @classmethod
     def from_wire(cls, msg: dict) -> LeaseGrant:
@@ -584,8 +586,11 @@ class LeaseGrant:
             _int(p, "max_new_tokens", 1, 1 << 20), _int(p, "seed", 0, 2**64 - 1),
             frozenset(stop_ids) if stop_ids else None,
         )  # fmt: skip
+        alone = msg.get("alone", False)
+        if not isinstance(alone, bool):
+            raise MessageError("'alone' must be true or false")
         return cls(_int(msg, "id", 0, 2**64 - 1), requests, params, _int(msg, "min_version", 0, MAX_VERSION),
-                   _float(msg, "deadline_s", 0.0, 1e7))  # fmt: skip
+                   _float(msg, "deadline_s", 0.0, 1e7), alone)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -58,3 +58,33 @@ def test_temperature_zero_is_greedy():
     logits = np.random.default_rng(1).normal(size=(8, 40)).astype(np.float32)
     tokens, logprobs = sample_next(logits, 0.0, 1.0, draws(8))
     assert tokens.tolist() == logits.argmax(axis=1).tolist() and not logprobs.any()
+
+
+def test_a_lease_drawn_alone_gives_each_prompt_group_the_tokens_and_logprobs_it_has_alone():
+    """LeaseGrant.alone (`serve --sample-seed`): each group id's requests in engine waves of their own, so a
+    group's samples are those it gets drawn by itself, bit for bit, whatever else the lease holds (prompts of
+    other lengths: drawn together they are padded to the longest, and the logits move in their last bits)."""
+    from learner.train.models import model_spec, tiny_policy
+    from learner.train.wire_weights import send_to_sampler
+    from p2p.messages import GenerationRequest, LeaseGrant, MessageError, SamplingParams
+    from worker.engines.hf import TransformersEngine
+    from worker.sampling import generate_alone
+
+    tiny = tiny_policy(0)
+    engine = TransformersEngine(threads=2, max_batch=16)
+    send_to_sampler(engine, model_spec(tiny), tiny.model)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, seed=0)
+    prompts = [[5, 17], [9, 3, 42, 7, 61, 8, 8, 11, 30], [2, 2, 2]]
+    # a request of 4 samples split into two groups of 2 (draw id 21), between two others
+    lease = [GenerationRequest(prompts[0], 2, 21), GenerationRequest(prompts[1], 3, 22),
+             GenerationRequest(prompts[0], 2, 21, completion=2), GenerationRequest(prompts[2], 3, 23)]  # fmt: skip
+    drawn = generate_alone(engine.generate, lease, params)
+    by_itself = engine.generate([lease[0], lease[2]], params)
+    assert [drawn[0], drawn[2]] == by_itself  # tokens, logprobs (exact floats) and finish
+    assert drawn[1] == engine.generate([lease[1]], params)[0] and drawn[3] == engine.generate([lease[3]], params)[0]
+
+    grant = LeaseGrant(7, lease, params, 0, 30.0, alone=True)
+    assert LeaseGrant.from_wire(grant.to_wire()).alone
+    assert "alone" not in LeaseGrant(7, lease, params, 0, 30.0).to_wire()  # the training learner's frames unchanged
+    with pytest.raises(MessageError, match="alone"):
+        LeaseGrant.from_wire(grant.to_wire() | {"alone": 1})

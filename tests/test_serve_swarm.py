@@ -18,6 +18,7 @@ from tinker import types  # noqa: E402
 
 from learner.serve import sample_queue  # noqa: E402
 from learner.serve.sampler import SamplerWeights  # noqa: E402
+from learner.serve.sampling_routes import scored  # noqa: E402
 from learner.serve.service import ServeOptions, make_app  # noqa: E402
 from learner.serve.swarm import SwarmSampler  # noqa: E402
 from p2p.host import Misbehaviour  # noqa: E402
@@ -122,14 +123,19 @@ def test_one_worker_draws_two_tenants_samplers_switching_adapters_per_lease(tmp_
     """Two keys' training clients on one base model (one adapting the output layer, one not), their samplers'
     requests sent at once: the one worker holds both samplers' adapters and switches per lease, so it draws every
     request (none here), and each sample's logprobs are its own tenant's forward; a tenant's next sampler is
-    drawn by it too while the other's is still held."""
+    drawn by it too while the other's is still held. With a sample seed, a sample the worker drew (in a lease
+    beside other requests) is the one drawn here alone for the same draw id, tokens and logprobs to the bit."""
     for name in ("WAIT_S", "SILENCE_S", "LEASE_BASE_S", "ASKED_S"):  # none drawn here for a slow (loaded) machine
         monkeypatch.setattr(sample_queue, name, 3600.0)
     options = ServeOptions(("tiny",), str(tmp_path / "cache"), "cpu", frozenset({KEY_A, KEY_B}),
                            str(tmp_path / "ckpt"), 3, swarm_listen="/ip4/127.0.0.1/tcp/0",
-                           swarm_dir=str(tmp_path / "swarm"))  # fmt: skip
+                           swarm_dir=str(tmp_path / "swarm"), sample_seed=5)  # fmt: skip
     app = make_app(options, sampler_engine)
-    swarm: SwarmSampler = app.state.service.swarm
+    svc = app.state.service
+    swarm: SwarmSampler = svc.swarm
+    submitted = []  # (weights, request, draw id) of every request that went to the swarm
+    submit = swarm.submit
+    monkeypatch.setattr(swarm, "submit", lambda *args: submitted.append(args[:3]) or submit(*args))
     worker = join_worker((tmp_path / "swarm" / "learner.addr").read_text().strip(), tmp_path, "w1")
     tokens = [5, 17, 99, 3, 42, 7, 61]
     params = types.SamplingParams(max_tokens=6, temperature=1.0)
@@ -158,6 +164,12 @@ def test_one_worker_draws_two_tenants_samplers_switching_adapters_per_lease(tmp_
             assert swarm.summary()["answered"] == 4 and swarm.summary()["sampled_here"] == 0
             check(a, outs[0::2])
             check(b, outs[1::2])
+            for out, (weights, req, draw) in zip(outs, submitted, strict=True):  # (the model thread is idle now)
+                here = scored(svc, weights, req, svc.sampler.sample(weights, req, draw)).samples
+                def bits(seqs) -> list:  # (the wire carries float32 logprobs)
+                    return [(s.tokens, np.float32(s.logprobs).tolist()) for s in seqs]
+
+                assert bits(out.sequences) == bits(here)
 
             sampler_a = step(a, tokens)  # a's next sampler, b's still the one the worker holds
             futures = [s.sample(prompt, num_samples=3, sampling_params=params) for s in [sampler_a, sampler_b]]

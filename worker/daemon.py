@@ -16,6 +16,7 @@ SIGINT/SIGTERM let the current lease finish and be pushed, then the worker leave
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import platform
@@ -63,6 +64,7 @@ from p2p.messages import (
 from worker.config import WorkerConfig
 from worker.engines import make_engine
 from worker.fetcher import VersionFetcher
+from worker.sampling import generate_alone
 
 PUSH_TIMEOUT = 60.0  # seconds one send of a lease's rollouts may take (a slow uplink)
 HOSTED_STEP_TIMEOUT = 120.0  # seconds the learner may take to step a hosted environment on a round of turns
@@ -298,8 +300,8 @@ class WorkerDaemon:
                     wait = min(wait * 2, 10.0)
 
         try:  # an environment's groups are episodes, played turn by turn; greedy ones: held-out evaluation
-            groups = generate_rollouts(self.engine.generate, requests, lease.params, self.episodes,
-                                       remote if hosted else None)  # fmt: skip
+            generate = functools.partial(generate_alone, self.engine.generate) if lease.alone else self.engine.generate
+            groups = generate_rollouts(generate, requests, lease.params, self.episodes, remote if hosted else None)
         except (EnvError, PeerUnavailable, RemoteError) as exc:  # its lease goes back to the learner when it expires
             log.warning("lease %d dropped: %s", lease.id, exc)
             return

@@ -174,11 +174,13 @@ class Draw:
 
 def draw_batch(svc: Service, saved: Saved, entry: Draw) -> None:
     """Draw `entry` with the requests queued on the same sampler that batchable() lets go with it (math_rl
-    sends a request per trajectory: drawn together they share the engine's waves), and give each its result."""
+    sends a request per trajectory: drawn together they share the engine's waves), and give each its result.
+    With a sample seed each request is drawn alone: an engine's logits move in their last bits with its batch's
+    layout, enough to change a token now and then, and which requests share a batch depends on timing."""
     batch, tokens = [entry], request_tokens(entry.req)
     with saved.lock:  # (the event loop appends to the queue)
         for other in saved.queue:
-            if other is not entry and batchable(entry.req, other.req, tokens):
+            if svc.scorer is None and other is not entry and batchable(entry.req, other.req, tokens):
                 batch.append(other)
                 tokens += request_tokens(other.req)
         for drawn in batch:

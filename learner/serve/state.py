@@ -107,7 +107,7 @@ class Service:
         if options.swarm_listen:
             device = str(resolve_device(options.device))
             self.swarm = SwarmSampler(options.models[0], options.cache_dir, options.swarm_listen, options.swarm_dir,
-                                      device, options.swarm_secret)  # fmt: skip
+                                      device, options.swarm_secret, alone=options.sample_seed >= 0)  # fmt: skip
 
     def base_weights(self, base_model: str) -> SamplerWeights:
         """A base model itself, for samplers made from it (one object: the engine need not swap between them)."""

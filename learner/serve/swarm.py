@@ -100,9 +100,10 @@ class SwarmSampler:
 
     def __init__(
         self, base_model: str, cache_dir: str, listen: str, swarm_dir: str, device: str = "cpu",
-        secret: bytes | None = None,
+        secret: bytes | None = None, alone: bool = False,
     ) -> None:  # fmt: skip
-        self.base_model = base_model
+        """`alone`: workers draw each request in engine waves of its own (LeaseGrant.alone; `--sample-seed`)."""
+        self.base_model, self.alone = base_model, alone
         policy = load_policy(base_model, cache_dir)
         model = policy.model
         self.tokenizer = policy.tokenizer
@@ -224,7 +225,8 @@ class SwarmSampler:
         ]
         params = lease.jobs[0].params  # (seed DRAW_SEED: the draw ids key each request's draws)
         seconds = max(lease.deadline - time.monotonic(), 1.0)
-        return LeaseReply(LeaseGrant(lease.lease_id, requests, params, lease.version, seconds)).to_wire()
+        grant = LeaseGrant(lease.lease_id, requests, params, lease.version, seconds, self.alone)
+        return LeaseReply(grant).to_wire()
 
     def _on_rollout(self, peer: str, msg: dict) -> dict:
         if peer in self.verifier.flagged:
