@@ -51,6 +51,8 @@ def evaluation_line(evaluation: dict) -> str:
 
 
 def render(doc: dict) -> Group:
+    if doc.get("kind") == "serve":
+        return render_serve(doc)
     run = Table(title=f"learner {doc['peer_id'][-12:]}  run {doc['run_id']}", show_header=False)
     util = doc.get("utilisation")
     reward = doc.get("reward")
@@ -100,6 +102,37 @@ def render(doc: dict) -> Group:
     if notes:
         peers.caption = "; ".join(notes)
     return Group(run, peers)
+
+
+def render_serve(doc: dict) -> Group:
+    """`echo-rl serve`'s swarm side (docs/status.md): its sampler versions, requests and workers."""
+    side = Table(title=f"serve {doc['peer_id'][-12:]}  sampling {doc['base_model']}", show_header=False)
+    versions = ", ".join(f"v{v}" for v in doc["versions"]) or "none"
+    rows = [
+        ("versions", f"newest v{doc['version']}; with requests: {versions} (workers hold {doc['adapter_slots']})"),
+        ("requests", f"{doc['queued']} queued, {doc['leases']} leases out, {doc['answered']} answered by workers, "
+                     f"{doc['sampled_here']} drawn by serve"),
+        ("draws", "each request alone (--sample-seed)" if doc.get("draws_alone") else "requests batched"),
+        ("verification", verification_line(doc)),
+        ("address", doc["addrs"][0] if doc["addrs"] else "-"),
+    ]  # fmt: skip
+    for key, value in rows:
+        side.add_row(key, value)
+    peers = Table(title=f"{len(doc['peers'])} workers")
+    for col in ("peer", "state", "ver", "batch", "answered", "tok/s", "timed at", "seen", "runs on"):
+        left = col in ("peer", "state", "runs on")
+        peers.add_column(col, justify="left" if left else "right", no_wrap=col != "runs on")
+    for p in doc["peers"]:
+        state = ("[red]flagged[/]" if p.get("flagged") else f"[yellow]banned {p['banned_s']:.0f}s[/]"
+                 if p["banned_s"] > 0 else p.get("lease") or "idle")  # fmt: skip
+        rate = "-" if p["tokens_per_s"] is None else f"{p['tokens_per_s']:.0f}"
+        hardware = " ".join(str(v) for k, v in p["hardware"].items() if k in ("engine", "machine", "gpu"))
+        peers.add_row(p["peer_id"][-8:], state, str(p["version"]), str(p["max_batch"]), str(p["answered"]), rate,
+                      f"{p['lease_rate']:.1f}", f"{p['last_seen_s']:.0f}s", escape(hardware or "-"))  # fmt: skip
+    flagged = [f"{p['peer_id'][-8:]} flagged: {p['flagged']}" for p in doc["peers"] if p.get("flagged")]
+    if flagged:
+        peers.caption = "; ".join(flagged)
+    return Group(side, peers)
 
 
 def environment_line(env: dict) -> str:

@@ -3,6 +3,7 @@
 One test runs the real thing (the SDK, a `worker join` process); the others call the swarm side's handlers as
 a worker would, with completions an in-process engine drew honestly, then forged."""
 
+import json
 import os
 import secrets
 import signal
@@ -31,6 +32,7 @@ from p2p.messages import (  # noqa: E402
     SpecRequest,
 )
 from p2p.weights import to_float32  # noqa: E402
+from tests.conftest import run_cli  # noqa: E402
 from tests.test_serve import KEY_A, KEY_B, by_hand_tokenizer, client, datum, sampler_engine, serving  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,6 +180,16 @@ def test_one_worker_draws_two_tenants_samplers_switching_adapters_per_lease(tmp_
             check(a, outs[:1])
             check(b, outs[1:])
             assert not swarm.verifier.flagged
+            addr = (tmp_path / "swarm" / "learner.addr").read_text().strip()
+            res = run_cli("status", "--learner", addr, "--json")  # serve's swarm side, over the wire
+            assert res.returncode == 0, res.stderr
+            doc = json.loads(res.stdout)
+            assert doc["kind"] == "serve" and doc["answered"] == 6 and doc["draws_alone"]
+            [row] = doc["peers"]
+            assert row["answered"] == 6 and row["tokens_per_s"] > 0 and row["hardware"]["engine"] == "transformers"
+            assert doc["verification"]["groups_checked"] >= 6 and not doc["verification"]["flagged"]
+            res = run_cli("status", "--learner", addr, columns=100)
+            assert res.returncode == 0 and "sampling tiny" in res.stdout and row["peer_id"][-8:] in res.stdout
             sc_a.close("success").result()  # (else the SDK's heartbeats outlive the server, and say so)
             sc_b.close("success").result()
     finally:
@@ -227,6 +239,43 @@ def test_the_board_leases_the_versions_a_worker_holds_and_never_a_lost_lease_it_
     assert board.live({})  # b's answer is being verified: it asks again once that is done
     with pytest.raises(Misbehaviour):
         board.lease("a", 1, 8, held=(9,))
+
+
+def test_a_lease_is_timed_for_the_rate_its_worker_answers_at(monkeypatch):
+    """SampleBoard.lease's time: 20 tokens/s for an unmeasured worker (and for a fast one: never shorter), half
+    the rate a slow one declares before its first answer, then half the rate its verified answers came at,
+    measured here; a request the worker could not draw within MAX_LEASE_S at that rate is left to others."""
+    from learner.serve import sample_queue as sq
+    from p2p.messages import SamplingParams
+
+    clock = [1000.0]
+    monkeypatch.setattr(sq.time, "monotonic", lambda: clock[0])
+
+    def job(max_tokens: int) -> sq.SwarmJob:
+        req = types.SampleRequest(prompt=types.ModelInput.from_ints([5, 17]), num_samples=4,
+                                  sampling_params=types.SamplingParams(max_tokens=max_tokens))  # fmt: skip
+        params = SamplingParams(1.0, 1.0, max_tokens, 0)
+        return sq.SwarmJob(req, [5, 17], secrets.randbits(63), 1, params, [], lambda d: None, lambda: None)
+
+    board = sq.SampleBoard()
+    board.publish(1, job(100))  # 4 x 100 = 400 tokens
+    board.seen("fresh", 1, 4)
+    assert board.lease("fresh", 1, 8).deadline - clock[0] == sq.LEASE_BASE_S + 400 / 20
+    board.add(job(100))
+    board.seen("fast", 1, 4, tokens_per_s=500.0)
+    assert board.lease("fast", 1, 8).deadline - clock[0] == sq.LEASE_BASE_S + 400 / 20
+    board.add(job(100))
+    board.seen("slow", 1, 4, tokens_per_s=4.0)  # declared: timed at 2 tokens/s
+    lease = board.lease("slow", 1, 8)
+    assert lease.deadline - clock[0] == sq.LEASE_BASE_S + 400 / 2
+    clock[0] += 50.0  # its answer came after 50 s: 200 tokens sampled, 4 tokens/s measured
+    board.done(board.take("slow", lease.lease_id), verified=True, tokens=200)
+    assert sq.lease_rate(board.workers["slow"]) == 2.0
+    board.add(job(400))  # 1600 tokens: more than MAX_LEASE_S - LEASE_BASE_S (570 s) at 2 tokens/s hold
+    assert board.lease("slow", 1, 8) is None and len(board.queue) == 1
+    assert board.lease("fresh2", 1, 8) is not None  # another worker takes it
+    [row] = [p for p in board.peers({}) if p["peer_id"] == "slow"]
+    assert row["answered"] == 1 and row["tokens_per_s"] == 4.0 and row["lease_rate"] == 2.0
 
 
 def test_a_worker_keeps_the_adapters_wanted_and_drops_the_others_first():

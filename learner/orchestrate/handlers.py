@@ -329,8 +329,6 @@ class LearnerService:
                     "flagged": verifier.flagged.get(w.peer_id),
                 }
             )
-        divergences, misses, off_draws = verifier.recent()
-        divergences.sort()
         return {
             "schema": 1,
             "run_id": self.run_id,
@@ -361,19 +359,7 @@ class LearnerService:
             "stale_dropped": self.buffer.dropped_stale,
             "leases": self.leases.summary() | {"declined": dict(self.declined)},
             "uptime_s": round(now - self.started, 1),
-            "verification": {
-                "groups_checked": len(divergences),
-                "divergence_median": divergences[len(divergences) // 2] if divergences else None,
-                "divergence_max": divergences[-1] if divergences else None,
-                "draw_miss_max": max(misses, default=None),
-                "off_draw_max": max(off_draws, default=None),
-                "tolerance": swarm.verify_tolerance,
-                "draw_tolerance": swarm.verify_draw_tolerance,
-                "off_draw_tolerance": swarm.verify_off_draw,
-                **verifier.cost(),
-                "flagged": dict(verifier.flagged),
-                "groups_dropped": self.buffer.dropped_flagged,
-            },
+            "verification": verifier.summary() | {"groups_dropped": self.buffer.dropped_flagged},
             "evaluation": None if self.evals is None else self.evals.summary(),
             "penalties": dict(self.host.guard.counts),
             "banned": self.host.guard.banned_peers(),

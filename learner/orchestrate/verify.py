@@ -208,8 +208,7 @@ class RolloutVerifier:
         self.versions: dict[int, tuple[dict[str, np.ndarray], int | None]] = {}  # v -> (wire tensors, adapter base)
         self.checked: dict[str, int] = {}  # worker -> groups verified in accepted submissions
         self.groups_accepted: dict[str, int] = {}  # worker -> groups accepted (verified or not)
-        self.replays = 0  # groups replayed (accepted or not), and the seconds it took: the learner's cost
-        self.replay_s = 0.0
+        self.replays, self.replay_s = 0, 0.0  # groups replayed (accepted or not), and the seconds it took
         self.divergences: deque[float] = deque(maxlen=1000)  # of the newest verified groups, for status
         self.draw_misses: deque[float] = deque(maxlen=1000)
         self.off_draws: deque[float] = deque(maxlen=1000)
@@ -357,11 +356,6 @@ class RolloutVerifier:
         with self._lock:
             self.flagged[worker] = why
 
-    def recent(self) -> tuple[list[float], list[float], list[float]]:
-        """The divergences, draw misses and off-draw shares of the newest checked groups (a copy)."""
-        with self._lock:
-            return list(self.divergences), list(self.draw_misses), list(self.off_draws)
-
     def accepted(self, worker: str, verified_groups: int, groups: int | None = None) -> None:
         """Count a submission that was accepted: `groups` groups (None: as many as verified), of which
         `verified_groups` were verified (only accepted ones are verified work)."""
@@ -369,6 +363,17 @@ class RolloutVerifier:
             self.checked[worker] = self.checked.get(worker, 0) + verified_groups
             accepted = verified_groups if groups is None else groups
             self.groups_accepted[worker] = self.groups_accepted.get(worker, 0) + accepted
+
+    def summary(self) -> dict:
+        """The status documents' verification block (docs/status.md): the newest checked groups' figures."""
+        with self._lock:
+            divergences, misses, off_draws = sorted(self.divergences), list(self.draw_misses), list(self.off_draws)
+        n = len(divergences)
+        return {"groups_checked": n, "divergence_median": divergences[n // 2] if n else None,
+                "divergence_max": divergences[-1] if n else None, "draw_miss_max": max(misses, default=None),
+                "off_draw_max": max(off_draws, default=None), "tolerance": self.tolerance,
+                "draw_tolerance": self.draw_tolerance, "off_draw_tolerance": self.off_draw_tolerance,
+                **self.cost(), "flagged": dict(self.flagged)}  # fmt: skip
 
     def cost(self) -> dict[str, float]:
         """Groups replayed so far and the seconds the replays took (for each step's metrics)."""

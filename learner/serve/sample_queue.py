@@ -5,7 +5,8 @@ standing (learner.serve.swarm serves the protocols around it).
     lease(worker, ...)   the oldest queued request of a version the worker runs or holds the adapters of (it switches
                          to it; its own version's if queued within SWITCH_S of that), and those of equal params,
                          up to LEASE_SEQUENCES of its batches and LEASE_TOKENS tokens (the first request whole; a
-                         worker not yet proven: that request alone); one lease per worker, out or being verified
+                         worker not yet proven: that request alone), timed for the worker's rate (lease_rate); one
+                         lease per worker, out or being verified
                          (asked again while one is out: the reply was lost, the same lease again, unless the
                          worker no longer holds its version: then its requests queue again)
     take(worker, id)     the worker's answer arrived: its lease is being verified (its version stays working())
@@ -34,8 +35,9 @@ from p2p.host import BadRequest, Misbehaviour
 from p2p.messages import SamplingParams
 
 WAIT_S = 60.0  # a request no worker has leased this long is drawn here
-LEASE_BASE_S = 30.0  # a lease's time: this, and its tokens at SLOWEST_TOKENS_S, at most MAX_LEASE_S
-SLOWEST_TOKENS_S = 20.0  # the rate (a lease's sequences together) leases are timed for
+LEASE_BASE_S = 30.0  # a lease's time: this, and its tokens at the worker's lease_rate(), at most MAX_LEASE_S
+SLOWEST_TOKENS_S = 20.0  # the rate (a lease's sequences together) leases are timed for, at most
+MIN_LEASE_RATE = 0.5  # tokens/s: the slowest rate a lease is timed for (a worker slower than that gets none)
 MAX_LEASE_S = 600.0  # what one lease may hold its requests (a request larger than this covers: drawn here)
 LEASE_TOKENS = int((MAX_LEASE_S - LEASE_BASE_S) * SLOWEST_TOKENS_S)  # sequences x max_new_tokens of one lease
 SILENCE_S = 30.0  # a worker not heard from this long is gone: its lease lapses
@@ -89,6 +91,8 @@ class SwarmLease:
     group_size: int
     groups: list[int]  # per group, the index of its job in `jobs`
     deadline: float  # time.monotonic()
+    leased_at: float = field(default_factory=time.monotonic)
+    answered_at: float = 0.0  # when its answer arrived (take)
 
     def keys(self) -> list[tuple[int, int]]:
         """Per group, its draw keys: (its job's draw id, the index of its first completion among the job's)."""
@@ -107,6 +111,20 @@ class SwarmWorker:
     seen: float = field(default_factory=time.monotonic)  # any message
     asked: float = 0.0  # its last lease request
     delivered: int = 0  # leases it answered: until one, its leases hold one request
+    declared_rate: float = 0.0  # tokens/s by its word (its heartbeat; 0: unmeasured)
+    tokens: int = 0  # sampled tokens of its verified answers
+    busy_s: float = 0.0  # seconds from each of those leases to its answer
+    answered: int = 0  # requests it answered, verified
+    hardware: dict = field(default_factory=dict)  # by its word (p2p.messages.Heartbeat: bounded strings)
+
+
+def lease_rate(worker: SwarmWorker) -> float:
+    """The tokens a second a worker's lease is timed for: half the rate its verified answers came at (measured
+    here, from each lease to its answer), or before any, half the rate it declares; at most SLOWEST_TOKENS_S (a
+    fast worker's lease is timed as any other), at least MIN_LEASE_RATE. Lying costs the liar: a higher rate
+    changes nothing, a lower one only lengthens its leases within MAX_LEASE_S and shrinks them."""
+    rate = worker.tokens / worker.busy_s if worker.busy_s > 0 else worker.declared_rate
+    return SLOWEST_TOKENS_S if rate <= 0 else min(SLOWEST_TOKENS_S, max(rate / 2, MIN_LEASE_RATE))
 
 
 class SampleBoard:
@@ -122,8 +140,10 @@ class SampleBoard:
         self.answered = self.drawn_here = 0  # requests answered by workers, and drawn here
         self._lock = threading.Lock()
 
-    def seen(self, peer: str, version: int | None = None, max_batch: object = None) -> None:
-        """A message from `peer`; a heartbeat brings its version and batch (a version never published is a lie)."""
+    def seen(self, peer: str, version: int | None = None, max_batch: object = None, tokens_per_s: float = 0.0,
+             hardware: dict | None = None) -> None:  # fmt: skip
+        """A message from `peer`; a heartbeat brings its version, batch, rate and hardware (checked by
+        p2p.messages.Heartbeat; a version never published is a lie)."""
         with self._lock:
             if version is not None and version > self.version + 1:  # (+1: announced before it is the newest here)
                 raise Misbehaviour(f"v{version} was never published (the newest is v{self.version})")
@@ -133,6 +153,10 @@ class SampleBoard:
                 worker.version = version
             if type(max_batch) is int:
                 worker.max_batch = min(max(max_batch, 1), 256)
+            if tokens_per_s > 0:
+                worker.declared_rate = tokens_per_s
+            if hardware is not None:
+                worker.hardware = hardware
 
     def live(self, flagged: dict[str, str]) -> bool:
         """Whether a worker may draw a request soon: it asks for leases (or holds one, out or being verified: it
@@ -194,19 +218,23 @@ class SampleBoard:
             split = -(-n // worker.max_batch)  # groups per request, each of group_size samples (>= n in all)
             group_size = -(-n // split)
             tokens = split * group_size * first.params.max_new_tokens  # what one request costs the lease
+            rate = lease_rate(worker)
+            budget = LEASE_TOKENS * rate / SLOWEST_TOKENS_S  # the tokens its lease may hold
+            if tokens > budget:  # too slow for it: left to another worker, or drawn here after WAIT_S
+                return None
             most = LEASE_SEQUENCES * worker.max_batch if worker.delivered else n  # a new worker: one request
             jobs = [first]
             for job in self.queue:
                 count = len(jobs) + 1
-                if count * n > most or count * split > max_groups or count * tokens > LEASE_TOKENS:
+                if count * n > most or count * split > max_groups or count * tokens > budget:
                     break
                 if job is not first and first.goes_with(job):
                     jobs.append(job)
             taken = set(map(id, jobs))
             self.queue = [job for job in self.queue if id(job) not in taken]
             groups = [j for j in range(len(jobs)) for _ in range(split)]
-            seconds = min(LEASE_BASE_S + len(jobs) * tokens / SLOWEST_TOKENS_S, MAX_LEASE_S)
-            lease = SwarmLease(secrets.randbits(62), peer, first.version, jobs, group_size, groups, now + seconds)
+            seconds = min(LEASE_BASE_S + len(jobs) * tokens / rate, MAX_LEASE_S)
+            lease = SwarmLease(secrets.randbits(62), peer, first.version, jobs, group_size, groups, now + seconds, now)
             self.leases[lease.lease_id] = lease
             return lease
 
@@ -222,11 +250,13 @@ class SampleBoard:
             if lease.worker != peer:
                 raise Misbehaviour("another worker's lease")
             self.verifying[lease.lease_id] = self.leases.pop(lease.lease_id)
+            lease.answered_at = time.monotonic()
             return lease
 
-    def done(self, lease: SwarmLease, verified: bool, ban: bool = True) -> None:
-        """The lease's answer was verified (its requests answered by the caller), or not: its requests are
-        drawn here (those not answered yet), and its worker banned unless the failure was ours (`ban`)."""
+    def done(self, lease: SwarmLease, verified: bool, ban: bool = True, tokens: int = 0) -> None:
+        """The lease's answer was verified (its requests answered by the caller; `tokens` sampled in all), or
+        not: its requests are drawn here (those not answered yet), and its worker banned unless the failure was
+        ours (`ban`)."""
         with self._lock:
             self.verifying.pop(lease.lease_id, None)
             worker = self.workers.get(lease.worker)
@@ -234,6 +264,9 @@ class SampleBoard:
                 self.answered += len(lease.jobs)
                 if worker is not None:
                     worker.delivered += 1
+                    worker.answered += len(lease.jobs)
+                    worker.tokens += tokens
+                    worker.busy_s += max(lease.answered_at - lease.leased_at, 1e-3)
                 return
             if ban:
                 self.banned[lease.worker] = time.monotonic() + LAPSE_BAN_S
@@ -278,6 +311,21 @@ class SampleBoard:
             self.queue, self.leases, self.verifying = [], {}, {}
         for job in here:
             job.draw_here()
+
+    def peers(self, flagged: dict[str, str]) -> list[dict]:
+        """Each worker's row of the status document (docs/status.md, serve's swarm)."""
+        now = time.monotonic()
+        with self._lock:
+            out = {lease.worker: "generating" for lease in self.leases.values()}
+            out |= {lease.worker: "verified now" for lease in self.verifying.values()}
+            return [
+                {"peer_id": peer, "version": w.version, "max_batch": w.max_batch, "lease": out.get(peer),
+                 "answered": w.answered, "tokens_per_s": round(w.tokens / w.busy_s, 2) if w.busy_s > 0 else None,
+                 "declared_tokens_per_s": w.declared_rate, "lease_rate": round(lease_rate(w), 2),
+                 "banned_s": round(max(self.banned.get(peer, 0.0) - now, 0.0), 1), "flagged": flagged.get(peer),
+                 "last_seen_s": round(now - w.seen, 1), "hardware": w.hardware}
+                for peer, w in self.workers.items()
+            ]  # fmt: skip
 
     def summary(self) -> dict:
         with self._lock:

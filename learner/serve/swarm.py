@@ -68,6 +68,7 @@ from p2p.messages import (
     LOGPROB_FLOOR,
     ROLLOUT,
     SPEC,
+    STATUS,
     Completion,
     GenerationRequest,
     Heartbeat,
@@ -148,6 +149,7 @@ class SwarmSampler:
         self.host.handle(SPEC, self._on_spec)
         self.host.handle(HEARTBEAT, self._on_heartbeat)
         self.host.handle(LEASE, self._on_lease)
+        self.host.handle(STATUS, lambda peer, msg: self.status(), guarded=False)  # read-only, open to any peer
         self.host.handle(ROLLOUT, self._on_rollout, limits=rollout_limits())
         self._replays = threading.BoundedSemaphore(ROLLOUTS_AT_ONCE)
         self._timer = threading.Thread(target=self._sweep_loop, name="serve-swarm", daemon=True)
@@ -209,7 +211,7 @@ class SwarmSampler:
 
     def _on_heartbeat(self, peer: str, msg: dict) -> dict:
         beat = Heartbeat.from_wire(msg)
-        self.board.seen(peer, beat.version, beat.hardware.get("max_batch"))
+        self.board.seen(peer, beat.version, beat.hardware.get("max_batch"), beat.tokens_per_s, beat.hardware)
         return HeartbeatReply(self.board.version, tuple(sorted(self.board.working()))).to_wire()
 
     def _on_lease(self, peer: str, msg: dict) -> dict:
@@ -233,10 +235,11 @@ class SwarmSampler:
             raise Misbehaviour(f"flagged: {self.verifier.flagged[peer]}")
         self.board.seen(peer)
         lease = self.board.take(peer, msg.get("lease"))  # (now being verified: its time no longer runs)
-        verified = False
+        verified, tokens = False, 0
         try:
             with self._replays:
                 samples = self._verify(peer, lease, msg)
+            tokens = sum(len(c.tokens) for group in samples for c in group)
             for j, job in enumerate(lease.jobs):
                 drawn = [c for g, owner in enumerate(lease.groups) if owner == j for c in samples[g]]
                 drawn = drawn[: job.req.num_samples]
@@ -253,7 +256,7 @@ class SwarmSampler:
             raise
         finally:
             if verified:
-                self.board.done(lease, verified=True)
+                self.board.done(lease, verified=True, tokens=tokens)
             give_back_freed_memory()  # (the replay's logits, on a handler thread's own heap)
         return RolloutReply(len(lease.groups)).to_wire()
 
@@ -308,6 +311,16 @@ class SwarmSampler:
     def summary(self) -> dict:
         """For logs and tests: the workers, the queue, the leases out, the requests answered each way."""
         return self.board.summary() | {"flagged": dict(self.verifier.flagged)}
+
+    def status(self) -> dict:
+        """The status document `echo-rl status --learner ADDR` asks for (docs/status.md, serve's swarm)."""
+        return {
+            "schema": 1, "kind": "serve", "run_id": self.run_id, "peer_id": self.host.peer_id,
+            "addrs": self.host.addrs, "base_model": self.base_model, "adapter_slots": ADAPTER_SLOTS,
+            "draws_alone": self.alone, **self.board.summary(), "verification": self.verifier.summary(),
+            "penalties": dict(self.host.guard.counts), "banned": self.host.guard.banned_peers(),
+            "peers": self.board.peers(self.verifier.flagged),
+        }  # fmt: skip
 
     def close(self) -> None:
         self._closed.set()
