@@ -111,7 +111,7 @@ def render_serve(doc: dict) -> Group:
     rows = [
         ("versions", f"newest v{doc['version']}; with requests: {versions} (workers hold {doc['adapter_slots']})"),
         ("requests", f"{doc['queued']} queued, {doc['leases']} leases out, {doc['answered']} answered by workers, "
-                     f"{doc['sampled_here']} drawn by serve"),
+                     f"{doc['sampled_here']} given back to serve"),
         ("draws", "each request alone (--sample-seed)" if doc.get("draws_alone") else "requests batched"),
         ("verification", verification_line(doc)),
         ("address", doc["addrs"][0] if doc["addrs"] else "-"),

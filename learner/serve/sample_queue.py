@@ -4,9 +4,9 @@ standing (learner.serve.swarm serves the protocols around it).
     add(job)             a request on a published sampler version, queued
     lease(worker, ...)   the oldest queued request of a version the worker runs or holds the adapters of (it switches
                          to it; its own version's if queued within SWITCH_S of that), and those of equal params,
-                         up to LEASE_SEQUENCES of its batches and LEASE_TOKENS tokens (the first request whole; a
-                         worker not yet proven: that request alone), timed for the worker's rate (lease_rate); one
-                         lease per worker, out or being verified
+                         up to LEASE_SEQUENCES of its batches and LEASE_TOKENS tokens, fewer for a slow worker
+                         (the first request whole; a worker not yet proven: that request alone), timed for the
+                         worker's measured rate (lease_time); one lease per worker, out or being verified
                          (asked again while one is out: the reply was lost, the same lease again, unless the
                          worker no longer holds its version: then its requests queue again)
     take(worker, id)     the worker's answer arrived: its lease is being verified (its version stays working())
@@ -35,9 +35,9 @@ from p2p.host import BadRequest, Misbehaviour
 from p2p.messages import SamplingParams
 
 WAIT_S = 60.0  # a request no worker has leased this long is drawn here
-LEASE_BASE_S = 30.0  # a lease's time: this, and its tokens at the worker's lease_rate(), at most MAX_LEASE_S
+LEASE_BASE_S = 30.0  # a lease's time: this, and its tokens at the worker's lease_rate() (lease_time)
 SLOWEST_TOKENS_S = 20.0  # the rate (a lease's sequences together) leases are timed for, at most
-MIN_LEASE_RATE = 0.5  # tokens/s: the slowest rate a lease is timed for (a worker slower than that gets none)
+STRETCH = 4.0  # a slow worker's lease gets at most this many times the time it gets at SLOWEST_TOKENS_S
 MAX_LEASE_S = 600.0  # what one lease may hold its requests (a request larger than this covers: drawn here)
 LEASE_TOKENS = int((MAX_LEASE_S - LEASE_BASE_S) * SLOWEST_TOKENS_S)  # sequences x max_new_tokens of one lease
 SILENCE_S = 30.0  # a worker not heard from this long is gone: its lease lapses
@@ -119,12 +119,23 @@ class SwarmWorker:
 
 
 def lease_rate(worker: SwarmWorker) -> float:
-    """The tokens a second a worker's lease is timed for: half the rate its verified answers came at (measured
-    here, from each lease to its answer), or before any, half the rate it declares; at most SLOWEST_TOKENS_S (a
-    fast worker's lease is timed as any other), at least MIN_LEASE_RATE. Lying costs the liar: a higher rate
-    changes nothing, a lower one only lengthens its leases within MAX_LEASE_S and shrinks them."""
-    rate = worker.tokens / worker.busy_s if worker.busy_s > 0 else worker.declared_rate
-    return SLOWEST_TOKENS_S if rate <= 0 else min(SLOWEST_TOKENS_S, max(rate / 2, MIN_LEASE_RATE))
+    """The tokens a second a worker's leases are timed and sized for: half the rate its verified answers came at
+    (sampled tokens, measured here from each lease to its answer), at most SLOWEST_TOKENS_S (a fast worker's
+    lease is timed as any other); SLOWEST_TOKENS_S before its first (what it declares is not used: a worker
+    could declare itself slow to hold requests longer)."""
+    if worker.busy_s <= 0:
+        return SLOWEST_TOKENS_S
+    return min(SLOWEST_TOKENS_S, worker.tokens / worker.busy_s / 2)
+
+
+def lease_time(tokens: int, rate: float) -> float:
+    """Seconds a lease of `tokens` (sequences x max_new_tokens) is given at `rate` tokens/s: LEASE_BASE_S and the
+    tokens at that rate, at most STRETCH times what they get at SLOWEST_TOKENS_S and at most MAX_LEASE_S. A
+    worker slowing on purpose thus holds a request at most STRETCH times as long as before, and gets one
+    request a lease (its first always goes whole; further ones only within its rate's share of LEASE_TOKENS),
+    so it keeps being measured."""
+    usual = LEASE_BASE_S + tokens / SLOWEST_TOKENS_S
+    return min(LEASE_BASE_S + tokens / max(rate, 1e-3), STRETCH * usual, MAX_LEASE_S)
 
 
 class SampleBoard:
@@ -219,9 +230,7 @@ class SampleBoard:
             group_size = -(-n // split)
             tokens = split * group_size * first.params.max_new_tokens  # what one request costs the lease
             rate = lease_rate(worker)
-            budget = LEASE_TOKENS * rate / SLOWEST_TOKENS_S  # the tokens its lease may hold
-            if tokens > budget:  # too slow for it: left to another worker, or drawn here after WAIT_S
-                return None
+            budget = LEASE_TOKENS * rate / SLOWEST_TOKENS_S  # what further requests may bring the lease to
             most = LEASE_SEQUENCES * worker.max_batch if worker.delivered else n  # a new worker: one request
             jobs = [first]
             for job in self.queue:
@@ -233,7 +242,7 @@ class SampleBoard:
             taken = set(map(id, jobs))
             self.queue = [job for job in self.queue if id(job) not in taken]
             groups = [j for j in range(len(jobs)) for _ in range(split)]
-            seconds = min(LEASE_BASE_S + len(jobs) * tokens / rate, MAX_LEASE_S)
+            seconds = lease_time(len(jobs) * tokens, rate)
             lease = SwarmLease(secrets.randbits(62), peer, first.version, jobs, group_size, groups, now + seconds, now)
             self.leases[lease.lease_id] = lease
             return lease
