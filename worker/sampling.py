@@ -7,13 +7,16 @@ gives it next-token logits (LogitsBackend), so engines that compute the same log
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Sequence
-from typing import Protocol
+from collections.abc import Container, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from p2p.draws import inverse_cdf, uniforms
 from p2p.messages import Completion, GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from envs.episode import Generate
 
 
 def sample_next(logits: np.ndarray, temperature: float, top_p: float, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -132,9 +135,7 @@ def _generate_wave(
 
 
 def generate_alone(
-    generate: Callable[[Sequence[GenerationRequest], SamplingParams], list[list[Completion]]],
-    requests: Sequence[GenerationRequest],
-    params: SamplingParams,
+    generate: Generate, requests: Sequence[GenerationRequest], params: SamplingParams
 ) -> list[list[Completion]]:
     """`generate` (an engine's) once per prompt group id: the requests sharing a group id (one asample request
     split into groups of G) in a call of their own, results in request order. An engine's logits move in their

@@ -180,7 +180,7 @@ def draw_batch(svc: Service, saved: Saved, entry: Draw) -> None:
     batch, tokens = [entry], request_tokens(entry.req)
     with saved.lock:  # (the event loop appends to the queue)
         for other in saved.queue:
-            if svc.scorer is None and other is not entry and batchable(entry.req, other.req, tokens):
+            if svc.options.sample_seed < 0 and other is not entry and batchable(entry.req, other.req, tokens):
                 batch.append(other)
                 tokens += request_tokens(other.req)
         for drawn in batch:
