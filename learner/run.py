@@ -286,7 +286,7 @@ def sampler_departure(cfg: LearnerConfig, policy: Policy, engine: Engine) -> str
     group = engine.generate([GenerationRequest(prompt, 4, 0)], params)[0]
     rollouts = [Rollout(prompt, c.tokens, c.logprobs, 0.0) for c in group]
     with torch.no_grad():
-        learner = completion_logprobs(policy.model, rollouts, temperature=1.0).double()
+        learner = completion_logprobs(policy.model, rollouts, temperature=1.0).double().cpu()  # (from a GPU too)
     sampler = torch.tensor([lp for c in group for lp in c.logprobs], dtype=torch.float64)
     d = float((sampler - learner).abs().mean())
     limit = cfg.swarm.verify_tolerance / 2
