@@ -1,14 +1,15 @@
 """A supervised warm start for the calculator's tool environment: a model that never writes a tool call gives
-RL nothing to reinforce (SmolLM2-135M: 0 valid calls in 64 episodes), so it first imitates a few solved ones.
+RL nothing to reinforce (SmolLM2-135M answered 128 of 128 episodes without one), so it first imitates a few
+solved ones (docs/benchmarks.md, "A tool environment"):
 
-    python scripts/warm_start_tools.py --model smollm2-135m --out /tmp/smollm2-tools --episodes 64
-    echo-rl learner start --model /tmp/smollm2-tools --env calculator-tools ...
+    python scripts/warm_start_tools.py --out /tmp/smollm2-tools --max-new-tokens 48 --max-episode-tokens 192
+    echo-rl learner start --model /tmp/smollm2-tools --env calculator-tools --max-new-tokens 48 ...
 
 The demonstrations are played through the environment's own episode rules, the way the learner plays and
 replays episodes (learner.rollout_source): the first prompt rendered by the model's chat template with the
 tool's schema, a scripted demonstrator in place of the engine (call `calculate` with the question's
-expression in the template's tool-call format, then answer with the tool's result), the tool's result as the
-template writes tool messages. Each demonstration is replayed by the environment (return 1) before it is
+expression in the Hermes format, then answer with the tool's result), the tool's result as the template
+writes tool messages. Each demonstration is replayed by the environment (the best return) before it is
 trained on. Training is cross-entropy on the model's turns only (never the prompt or the tool's results),
 AdamW, then the weights and tokenizer are saved as a transformers folder that `--model` loads. Seeds come
 from the training split, so held-out evaluation sees none of these problems.
