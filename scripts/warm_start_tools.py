@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from echo_cli.config import parse_key_values  # noqa: E402
-from envs import EnvError, make_env  # noqa: E402
+from envs import EnvError, EnvFactory, make_env  # noqa: E402
 from envs.chat import ChatFormat  # noqa: E402
 from envs.episode import Generate  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
@@ -45,21 +45,20 @@ from p2p.config import ConfigError  # noqa: E402
 from p2p.messages import Completion, GenerationRequest, SamplingParams  # noqa: E402
 
 ENV = "calculator-tools"
-QUESTION = re.compile(r"What is (.+?)\? Use the calculate tool")  # envs.calculator.CalculatorToolEnv.reset's
 RESULT = re.compile(r"<tool_response>\s*(.*?)\s*</tool_response>", re.DOTALL)  # the Hermes tool message
 
 
-def demonstrator(policy: Policy, stop: int) -> Generate:
+def demonstrator(policy: Policy, stop: int, envs: EnvFactory) -> Generate:
     """An engine stand-in that solves calculator-tools episodes: on the first turn it calls `calculate` with
     the question's expression (in the Hermes format the generic tool instructions ask for, or the template's
-    own), on the next it answers with the last tool result it was shown. Every turn ends with `stop`."""
+    own), on the next it answers with the last tool result it was shown. Every turn ends with `stop`. The
+    expression is the environment's own for the episode's seed (`envs()`: a CalculatorToolEnv)."""
     if policy.tool_format[0] != "hermes":
         raise SystemExit(f"the demonstrator writes Hermes tool calls; this model's uses {policy.tool_format[0]}")
 
     def turn(request: GenerationRequest) -> str:
-        if request.position == 0:  # the first turn: the prompt is the question (and the tool instructions)
-            text = policy.tokenizer.decode(request.prompt_ids, skip_special_tokens=False)
-            call = {"name": "calculate", "arguments": {"expression": QUESTION.findall(text)[-1]}}
+        if request.position == 0:  # the first turn: the request carries the episode's seed
+            call = {"name": "calculate", "arguments": {"expression": envs().draw(request.episode)}}
             return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
         episode = policy.tokenizer.decode(request.prompt_ids[-request.position :], skip_special_tokens=False)
         return f"The answer is {RESULT.findall(episode)[-1]}."
@@ -79,7 +78,8 @@ def demonstrator(policy: Policy, stop: int) -> Generate:
 def demonstrations(cfg: LearnerConfig, policy: Policy, count: int, seed: int) -> list[Demonstration]:
     """`count` demonstrated episodes of the training split, each replayed by the environment with the best
     return (1 less one call's cost; SystemExit if one is not: the demonstrator would teach a mistake)."""
-    task = split_task(environment_task(cfg, policy, make_env(ENV, cfg.env.env_args)), "train")
+    envs = make_env(ENV, cfg.env.env_args)
+    task = split_task(environment_task(cfg, policy, envs), "train")
     source = RolloutSource(task, policy)
     rng = random.Random(seed)
     problems = [task.sample(rng) for _ in range(count)]
@@ -87,7 +87,7 @@ def demonstrations(cfg: LearnerConfig, policy: Policy, count: int, seed: int) ->
     requests = [source.request(p, ids, 1, k) for k, (p, ids) in enumerate(zip(problems, prompts, strict=True))]
     params = SamplingParams(0.0, 1.0, cfg.sampler.max_new_tokens, seed)
     assert source.episodes is not None
-    groups = source.generate(demonstrator(policy, turn_end(source.episodes.chat)), requests, params)
+    groups = source.generate(demonstrator(policy, turn_end(source.episodes.chat), envs), requests, params)
     best = 1.0 - float(cfg.env.env_args.get("call_cost", 0.0))
     for problem, group in zip(problems, groups, strict=True):
         if source.returns(problem, group).values != [best]:
