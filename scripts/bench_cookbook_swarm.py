@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ECHO = [sys.executable, "-m", "echo_cli"]
 COOKBOOK = "tinker-cookbook==0.6.1"
 COOKBOOK_IMPORTS = ["chz", "termcolor", "pylatexenc", "cloudpickle", "blobfile", "lxml", "pycryptodomex"]
+DATASETS = "datasets==5.2.0"  # rl_loop's loader, with its dependencies (pyarrow, pandas, ...; torch is ours)
 KEY = "tml-cookbook-swarm-bench-key"
 KEY2 = "tml-cookbook-swarm-second-key"
 ALIAS = "meta-llama/Llama-3.2-1B"  # rl_loop's model: a name its model_info knows
@@ -56,6 +57,7 @@ def cookbook_python() -> Path:
         Path(site, "zz_echo_rl.pth").write_text(ours + "\n")
         pip = [str(python), "-m", "pip", "install", "-q", "--no-deps"]
         subprocess.run([*pip, COOKBOOK, *COOKBOOK_IMPORTS], check=True)
+        subprocess.run([*pip[:-1], DATASETS], check=True)  # (it and what it needs: none of it in our .venv)
         (venv / "ok").touch()
     return python
 
