@@ -15,6 +15,7 @@ from worker.engines.hf import TransformersEngine
 from worker.engines.llamacpp import LlamaCppEngine
 from worker.gguf_writer import permute_for_llamacpp
 from worker.quantize import dequantized_weights, quantize_gguf, tensor_types
+from worker.sampling import replay_wave
 
 
 @pytest.mark.parametrize("engine_class", [LlamaCppEngine, TransformersEngine])
@@ -154,3 +155,39 @@ def test_a_new_version_reuses_the_gguf_layout_byte_for_byte(tiny, tmp_path):
     assert np.array_equal(eng.logits(tokens), reference.logits(tokens))
     eng.close()
     reference.close()
+
+
+@pytest.mark.parametrize("fmt", ["f16", "q8_0", "q4_0"])
+def test_a_group_replayed_in_its_own_wave_layout_repeats_llamacpps_sampling_bit_for_bit(tiny, engine, tmp_path, fmt):
+    """A group drawn by llama.cpp in a wave of its own (max_batch = G), F16 or quantized, fed back teacher-forced
+    in that layout (worker.sampling.replay_wave) by a second engine with another thread count: every token is
+    the one its draw picks and every logprob the worker's, to the bit. The same group replayed on another
+    format's weights is told apart."""
+    path = engine.work_dir / "policy.gguf"
+    if fmt != "f16":
+        path = tmp_path / f"{fmt}.gguf"
+        quantize_gguf(engine.work_dir / "policy.gguf", path, fmt)
+    spec = model_spec(tiny)
+    prompt = tiny.render_prompt("Count from one to ten.")
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16, seed=11)
+    request = GenerationRequest(prompt, 4, 3, completion=4)
+    worker = LlamaCppEngine(tmp_path / "worker", threads=2, max_batch=4)
+    worker.load_gguf(path, spec.eos_ids)
+    group = worker.generate([request], params)[0]
+    worker.close()
+    verifier = LlamaCppEngine(tmp_path / "verifier", threads=1, max_batch=4)
+    verifier.load_gguf(path, spec.eos_ids)
+    replayed = replay_wave(verifier, request, [c.tokens for c in group], params)
+    verifier.close()
+    for c, r in zip(group, replayed, strict=True):
+        assert r.tokens == c.tokens and r.logprobs == c.logprobs
+    other_path = engine.work_dir / "policy.gguf"  # a quantized group on the F16 weights, an F16 one on q4_0's
+    if fmt == "f16":
+        other_path = tmp_path / "q4_0.gguf"
+        quantize_gguf(engine.work_dir / "policy.gguf", other_path, "q4_0")
+    other = LlamaCppEngine(tmp_path / "other", threads=2, max_batch=4)
+    other.load_gguf(other_path, spec.eos_ids)
+    elsewhere = replay_wave(other, request, [c.tokens for c in group], params)
+    other.close()
+    theirs = np.array([x for c in group for x in c.logprobs])
+    assert np.abs(theirs - np.array([x for r in elsewhere for x in r.logprobs])).max() > 1e-3

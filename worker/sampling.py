@@ -8,6 +8,7 @@ gives it next-token logits (LogitsBackend), so engines that compute the same log
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -132,6 +133,44 @@ def _generate_wave(
         logits = backend.decode(alive, [seqs[s].tokens[-1] for s in alive])  # [len(alive), V]
     starts = np.cumsum([0] + [r.group_size for r in wave]).tolist()
     return [seqs[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+
+def replay_wave(
+    backend: LogitsBackend, request: GenerationRequest, completions: Sequence[Sequence[int]], params: SamplingParams
+) -> list[Completion]:
+    """The worker's `completions` of `request` fed back, teacher-forced, in the very layout _generate_wave decodes
+    one request's wave in (its prompt read once, then every live sequence one token per decode call, each
+    released after its last token); for every position, the token the draw picks under the replayed logits and
+    the replayed logprob of the worker's token (-inf outside the nucleus). On the same engine build, kernels and
+    quantized file this repeats a wave drawn alone bit for bit, which llama.cpp's quantized decoding does not do
+    in any other layout (docs/security.md). Completions longer than params.max_new_tokens are the caller's to
+    refuse."""
+    keys = [(request.group, request.completion + j, request.position) for j in range(len(completions))]
+    out = [Completion(tokens=[], logprobs=[], finish_reason="length") for _ in completions]
+    logits = backend.prefill([replace(request, group_size=len(completions))], params.max_new_tokens)  # [n, V]
+    alive = [s for s, tokens in enumerate(completions) if tokens]
+    logits = logits[alive]
+    for t in range(params.max_new_tokens):
+        u = uniforms(params.seed, [(g, c, position + t) for g, c, position in (keys[s] for s in alive)])
+        drawn, _ = sample_next(logits, params.temperature, params.top_p, u)
+        theirs = [completions[s][t] for s in alive]
+        if params.temperature == 0:  # greedy: the most likely token has logprob 0, any other -inf
+            logprobs = [0.0 if d == x else -np.inf for d, x in zip(drawn.tolist(), theirs, strict=True)]
+        else:
+            _, logp = policy_distribution(logits, params.temperature, params.top_p)  # [len(alive), V]
+            logprobs = logp[np.arange(len(alive)), theirs].tolist()
+        for s, token, logprob in zip(alive, drawn.tolist(), logprobs, strict=True):
+            out[s].tokens.append(token)
+            out[s].logprobs.append(logprob)
+        still = [s for s in alive if len(completions[s]) > t + 1]
+        for s in alive:
+            if s not in still:
+                backend.release(s)
+        alive = still
+        if not alive:
+            break
+        logits = backend.decode(alive, [completions[s][t] for s in alive])  # [len(alive), V]
+    return out
 
 
 def generate_alone(
