@@ -17,7 +17,7 @@ drew (the rest were drawn by serve itself).
 
 --second-tenant runs a second copy of the recipe at the same time under another API key (twice the learning
 rate: other adapters on the same base model); with --sample-seed (serve's) the first tenant's figures are then
-the same as in a run without it, up to float noise (a token near its draw's edge).
+the same as in a run without it (docs/benchmarks.md: every value of its 8 steps).
 """
 
 from __future__ import annotations
