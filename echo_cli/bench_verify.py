@@ -66,7 +66,10 @@ def run_verify_bench(
     `quants` (worker.quantize formats): honest workers running llama.cpp's quantization of the same version,
     replayed with the F16 weights and with the quantized ones read back, an F16 worker claiming the format,
     and how far llama.cpp's own logprobs of the same tokens move when the decode batch holds 8 sequences
-    instead of up to 32 (`batch_dependence`, nats/token; F16's beside it).
+    instead of up to 32 (`batch_dependence`, nats/token; F16's beside it). Then each group drawn in a wave of its
+    own and replayed by llama.cpp in that layout (worker.sampling.replay_wave, same build, same file): the honest
+    worker, an F16 worker claiming the format and one of the format claiming F16, its logprobs jittered, and
+    text of another seed with that seed's own logprobs.
     """
     import copy
 
@@ -75,7 +78,15 @@ def run_verify_bench(
     from transformers import AutoModelForCausalLM
 
     from learner.orchestrate.rollouts import Rollout
-    from learner.orchestrate.verify import RolloutVerifier, merged_weights, replay_sampling
+    from learner.orchestrate.verify import (
+        Replay,
+        RolloutVerifier,
+        divergence,
+        draw_miss,
+        merged_weights,
+        off_draw,
+        replay_sampling,
+    )
     from learner.tasks import make_task
     from learner.train.models import load_policy, model_spec
     from learner.train.wire_weights import wire_tensors
@@ -85,6 +96,7 @@ def run_verify_bench(
     from worker.engines.llamacpp import LlamaCppEngine
     from worker.gguf_writer import unsupported_by_llama_layout
     from worker.quantize import dequantized_weights, quantize_gguf, tensor_types
+    from worker.sampling import replay_wave
 
     policy = load_policy(model, cache_dir)
     spec = model_spec(policy)
@@ -130,6 +142,7 @@ def run_verify_bench(
         return groups
 
     results = {}
+    wave_s: list[float] = []  # seconds per group of each wave replay
     for temperature in temperatures:
         verifier = RolloutVerifier(
             lambda: AutoModelForCausalLM.from_config(config), temperature, top_p, 1, 0.0, tolerance, draw_tolerance
@@ -146,6 +159,27 @@ def run_verify_bench(
                 r = np.random.default_rng(k)
                 rollouts = [Rollout(prompt, *forge(prompt, c, r), 0.0, 0.0, 0) for c in group]
                 out.append(verifier.measure(0, seed, k, rollouts))
+            return out
+
+        def wave_measure(
+            groups: list[list], path: str, forge=lambda p, c, r: (c.tokens, c.logprobs), temperature=temperature
+        ) -> list:
+            """Each group (drawn in a wave of its own), forged, replayed by llama.cpp on the GGUF at `path` in that
+            wave's layout: d, m and o as the verifier computes them."""
+            engine = LlamaCppEngine(tempfile.mkdtemp(prefix="echo-verify-"), threads=threads, max_batch=group_size)
+            engine.load_gguf(path, spec.eos_ids)
+            params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+            tick, out = time.perf_counter(), []
+            for k, (prompt, group) in enumerate(zip(prompt_ids[: len(groups)], groups, strict=True)):
+                r = np.random.default_rng(k)
+                forged = [forge(prompt, c, r) for c in group]
+                replays = replay_wave(engine, GenerationRequest(prompt, len(group), k), [t for t, _ in forged], params)
+                reported = [x for _, logprobs in forged for x in logprobs]
+                recomputed = torch.tensor([[x for w in replays for x in w.logprobs]], dtype=torch.float64)
+                misses = torch.tensor([[x for w in replays for x in w.misses]], dtype=torch.float64)
+                out.append(Replay(divergence(reported, recomputed), draw_miss(misses), off_draw(misses)))
+            wave_s.append((time.perf_counter() - tick) / len(groups))
+            engine.close()
             return out
 
         def changed_one(prompt, c, r):
@@ -213,12 +247,27 @@ def run_verify_bench(
                 honest_groups, lambda p, c, r: (c.tokens, c.logprobs), quant_verifier
             )
             batch_dependence[fmt] = logprob_shift(quant_groups, sample(tensors, temperature, seed, fmt, max_batch=8))
+            alone = sample(tensors, temperature, seed, fmt, max_batch=group_size)  # each group a wave of its own
+            f16_alone = sample(tensors, temperature, seed, max_batch=group_size)
+            path, f16_path = quantized[fmt]["path"], str(Path(quantized[fmt]["path"]).parent / "policy.gguf")
+            rows[f"{fmt} worker, wave replayed"] = wave_measure(alone, path)
+            rows[f"{fmt} worker, logprobs jittered 0.01 nats, wave replayed"] = wave_measure(
+                alone, path,
+                lambda p, c, r: (c.tokens, list(np.minimum(0, c.logprobs + r.normal(0, 0.01, len(c.tokens))))),
+            )  # fmt: skip
+            rows[f"{fmt} worker, another seed's text and logprobs, wave replayed"] = wave_measure(
+                sample(tensors, temperature, seed + 1, fmt, max_batch=group_size), path
+            )
+            rows[f"F16 worker claiming {fmt}, wave replayed"] = wave_measure(f16_alone, path)
+            rows[f"{fmt} worker claiming F16, wave replayed"] = wave_measure(alone, f16_path)
         results[str(temperature)] = {
             "batch_dependence": batch_dependence,
             "seconds_per_group_checked": round(check_s, 3),
+            "seconds_per_group_wave_replayed": round(float(np.mean(wave_s)), 3) if wave_s else None,
             "tokens_per_group": sum(len(c.tokens) for g in honest_groups for c in g) / len(honest_groups),
             "rows": {name: _verify_row(v, tolerance, draw_tolerance, off_draw_tolerance) for name, v in rows.items()},
         }  # fmt: skip
+        wave_s.clear()
     result = {
         "model": model, "prompts": prompts, "group_size": group_size, "max_new_tokens": max_new_tokens,
         "top_p": top_p, "wire_dtype": wire_dtype, "tolerance": tolerance, "draw_tolerance": draw_tolerance,
@@ -257,6 +306,8 @@ def run_verify_bench(
             f"({r['tokens_per_group']:.0f} tokens); caught: d > {tolerance}, m > {draw_tolerance} "
             f"or o > {off_draw_tolerance}"
         )
+        if r["seconds_per_group_wave_replayed"] is not None:
+            Console().print(f"a wave replay by llama.cpp took {r['seconds_per_group_wave_replayed']:.3f} s per group")
     return result
 
 

@@ -180,7 +180,7 @@ def test_a_group_replayed_in_its_own_wave_layout_repeats_llamacpps_sampling_bit_
     replayed = replay_wave(verifier, request, [c.tokens for c in group], params)
     verifier.close()
     for c, r in zip(group, replayed, strict=True):
-        assert r.tokens == c.tokens and r.logprobs == c.logprobs
+        assert r.drawn == c.tokens and r.logprobs == c.logprobs and max(r.misses) == 0.0
     other_path = engine.work_dir / "policy.gguf"  # a quantized group on the F16 weights, an F16 one on q4_0's
     if fmt == "f16":
         other_path = tmp_path / "q4_0.gguf"

@@ -3,12 +3,13 @@ drawn from the lease's counter-based stream (p2p.draws), which the learner can r
 
 generate_waves is the one sampling loop (waves, draws, top-p, stop tokens, regrouping); an engine only
 gives it next-token logits (LogitsBackend), so engines that compute the same logits draw the same tokens.
+replay_wave feeds a group's tokens back through an engine in the layout generate_waves drew them in.
 """
 
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -135,33 +136,50 @@ def _generate_wave(
     return [seqs[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
 
 
+@dataclass
+class WaveReplay:
+    """One completion replayed by replay_wave, per token: the token its draw picks under the replayed logits, the
+    replayed logprob of the worker's token (-inf outside the nucleus) and how far the draw lies outside that
+    token's inverse-CDF interval (probability mass; 0 inside: learner.orchestrate.verify's m and o)."""
+
+    drawn: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    misses: list[float] = field(default_factory=list)
+
+
 def replay_wave(
     backend: LogitsBackend, request: GenerationRequest, completions: Sequence[Sequence[int]], params: SamplingParams
-) -> list[Completion]:
-    """The worker's `completions` of `request` fed back, teacher-forced, in the very layout _generate_wave decodes
-    one request's wave in (its prompt read once, then every live sequence one token per decode call, each
-    released after its last token); for every position, the token the draw picks under the replayed logits and
-    the replayed logprob of the worker's token (-inf outside the nucleus). On the same engine build, kernels and
-    quantized file this repeats a wave drawn alone bit for bit, which llama.cpp's quantized decoding does not do
-    in any other layout (docs/security.md). Completions longer than params.max_new_tokens are the caller's to
-    refuse."""
+) -> list[WaveReplay]:
+    """The worker's `completions` of `request` (none empty, none past params.max_new_tokens: the caller's to
+    refuse) fed back, teacher-forced, in the very layout _generate_wave decodes one request's wave in: its
+    prompt read once, then every live sequence one token per decode call, each released after its last token.
+    On the same engine build, kernels and (quantized) file this repeats a wave drawn alone bit for bit, which
+    llama.cpp's quantized decoding does in no other layout (docs/security.md). It mirrors _generate_wave step for
+    step; tests/test_engines.py checks that the two stay in step (bit-for-bit equality)."""
     keys = [(request.group, request.completion + j, request.position) for j in range(len(completions))]
-    out = [Completion(tokens=[], logprobs=[], finish_reason="length") for _ in completions]
+    out = [WaveReplay() for _ in completions]
     logits = backend.prefill([replace(request, group_size=len(completions))], params.max_new_tokens)  # [n, V]
-    alive = [s for s, tokens in enumerate(completions) if tokens]
-    logits = logits[alive]
+    alive = list(range(len(completions)))
     for t in range(params.max_new_tokens):
-        u = uniforms(params.seed, [(g, c, position + t) for g, c, position in (keys[s] for s in alive)])
-        drawn, _ = sample_next(logits, params.temperature, params.top_p, u)
-        theirs = [completions[s][t] for s in alive]
-        if params.temperature == 0:  # greedy: the most likely token has logprob 0, any other -inf
-            logprobs = [0.0 if d == x else -np.inf for d, x in zip(drawn.tolist(), theirs, strict=True)]
+        u = uniforms(params.seed, [(g, c, position + t) for g, c, position in (keys[s] for s in alive)])  # [n]
+        theirs = np.array([completions[s][t] for s in alive])  # [n]
+        rows = np.arange(len(alive))
+        if params.temperature == 0:  # greedy: the most likely token, logprob 0; any other is off by all its mass
+            drawn = logits.argmax(axis=1)
+            logprobs = np.where(drawn == theirs, 0.0, -np.inf)
+            misses = np.where(drawn == theirs, 0.0, 1.0)
         else:
-            _, logp = policy_distribution(logits, params.temperature, params.top_p)  # [len(alive), V]
-            logprobs = logp[np.arange(len(alive)), theirs].tolist()
-        for s, token, logprob in zip(alive, drawn.tolist(), logprobs, strict=True):
-            out[s].tokens.append(token)
-            out[s].logprobs.append(logprob)
+            drawn, _ = sample_next(logits, params.temperature, params.top_p, u)  # (the worker's own draw)
+            probs, logp = policy_distribution(logits, params.temperature, params.top_p)  # [n, V] each
+            cdf = np.cumsum(probs, axis=1)  # [n, V]
+            high = cdf[rows, theirs]  # C(t)
+            low = high - probs[rows, theirs]  # C(t - 1)
+            scaled = u * cdf[:, -1]  # (as inverse_cdf scales u by its row's total)
+            logprobs, misses = logp[rows, theirs], np.maximum(np.maximum(low - scaled, scaled - high), 0.0)
+        for i, s in enumerate(alive):
+            out[s].drawn.append(int(drawn[i]))
+            out[s].logprobs.append(float(logprobs[i]))
+            out[s].misses.append(float(misses[i]))
         still = [s for s in alive if len(completions[s]) > t + 1]
         for s in alive:
             if s not in still:
@@ -171,7 +189,6 @@ def replay_wave(
             break
         logits = backend.decode(alive, [completions[s][t] for s in alive])  # [len(alive), V]
     return out
-
 
 def generate_alone(
     generate: Generate, requests: Sequence[GenerationRequest], params: SamplingParams
