@@ -236,7 +236,8 @@ def test_checkpoints_restore_weights_and_adam_survive_a_restart_and_belong_to_th
     """save_state keeps the adapters and AdamW's state: loading it and repeating a step gives the very model the
     first run reached; after a restart of the server on the same checkpoint folder a new client loads the state
     and samples the named sampler weights; the REST calls list them; another key finds none of it; a deleted
-    checkpoint is gone."""
+    checkpoint is gone. The REST calls a recipe makes besides (training runs, weights info, capabilities,
+    healthz) answer from the same store."""
     options = ServeOptions(("tiny",), str(tmp_path / "cache"), "cpu", frozenset({KEY_A, KEY_B}), str(tmp_path / "ck"))
     tokens = [5, 17, 99, 3, 42, 7, 61]
 
@@ -271,8 +272,19 @@ def test_checkpoints_restore_weights_and_adam_survive_a_restart_and_belong_to_th
         assert listed == {path: "training", sampler_path: "sampler"}
         run = rest.get_training_run_by_tinker_path(path).result()
         assert run.base_model == "tiny" and run.lora_rank == 4 and run.user_metadata == {"renderer_name": "x"}
+        runs = rest.list_training_runs().result()
+        assert [r.training_run_id for r in runs.training_runs] == [tc.model_id] and runs.cursor.total_count == 1
+        info = rest.get_weights_info_by_tinker_path(sampler_path).result()
+        assert (info.base_model, info.is_lora, info.lora_rank) == ("tiny", True, 4)
+        models = rest.get_server_capabilities().result().supported_models
+        assert [(m.model_name, m.trainable, m.sampleable) for m in models] == [("tiny", True, True)]
+        assert httpx.get(f"{url}/api/v1/healthz").json() == {"status": "ok"}
+        other = client(url, KEY_B).create_rest_client()
+        assert other.list_training_runs().result().training_runs == []
         with pytest.raises(tinker.NotFoundError):
-            client(url, KEY_B).create_rest_client().get_training_run(tc.model_id).result()
+            other.get_training_run(tc.model_id).result()
+        with pytest.raises(tinker.NotFoundError):
+            other.get_weights_info_by_tinker_path(sampler_path).result()
 
     with serving(options) as url:  # a new server process would read the same folder
         sc = client(url)
