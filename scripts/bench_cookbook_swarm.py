@@ -48,7 +48,7 @@ def cookbook_python() -> Path:
     """A venv holding tinker-cookbook and what it imports, over this checkout's .venv (a .pth file)."""
     venv = Path("~/.cache/echo-rl/cookbook-venv").expanduser()
     python = venv / "bin" / "python"
-    if not (venv / "ok").exists():
+    if not (venv / "ok").exists() or (venv / "ok").read_text() != DATASETS:  # (one made before datasets: again)
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
         site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                               check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
@@ -57,8 +57,8 @@ def cookbook_python() -> Path:
         Path(site, "zz_echo_rl.pth").write_text(ours + "\n")
         pip = [str(python), "-m", "pip", "install", "-q", "--no-deps"]
         subprocess.run([*pip, COOKBOOK, *COOKBOOK_IMPORTS], check=True)
-        subprocess.run([*pip[:-1], DATASETS], check=True)  # (it and what it needs: none of it in our .venv)
-        (venv / "ok").touch()
+        subprocess.run([*pip[:-1], DATASETS], check=True)  # (with what it needs beyond our .venv: pyarrow, dill...)
+        (venv / "ok").write_text(DATASETS)
     return python
 
 

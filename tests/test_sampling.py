@@ -88,3 +88,66 @@ def test_a_lease_drawn_alone_gives_each_prompt_group_the_tokens_and_logprobs_it_
     assert "alone" not in LeaseGrant(7, lease, params, 0, 30.0).to_wire()  # the training learner's frames unchanged
     with pytest.raises(MessageError, match="alone"):
         LeaseGrant.from_wire(grant.to_wire() | {"alone": 1})
+
+
+class TracingBackend:
+    """A model-free LogitsBackend: each sequence's next logits depend on its own tokens alone (a hash of them),
+    the end-of-turn token 0 likely after a few tokens; every call it gets is recorded."""
+
+    max_batch = 8
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.history: list[list[int]] = []
+
+    def _logits(self, seqs) -> np.ndarray:
+        rows = []
+        for s in seqs:
+            h = self.history[s]
+            z = np.random.default_rng(hash(tuple(h)) % (1 << 32)).normal(size=12) * 2.0
+            z[0] += 0.5 * len(h) - 4.5  # end of turn grows likely as the sequence grows
+            rows.append(z)
+        return np.array(rows, dtype=np.float32)
+
+    def prefill(self, wave, max_new_tokens):
+        self.calls.append(("prefill", [(r.prompt_ids, r.group_size) for r in wave], max_new_tokens))
+        self.history = [list(r.prompt_ids) for r in wave for _ in range(r.group_size)]
+        return self._logits(range(len(self.history)))
+
+    def decode(self, seqs, tokens):
+        self.calls.append(("decode", list(seqs), list(tokens)))
+        for s, t in zip(seqs, tokens, strict=True):
+            self.history[s].append(t)
+        return self._logits(seqs)
+
+    def release(self, seq):
+        self.calls.append(("release", seq))
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
+def test_replay_wave_makes_the_calls_generate_waves_made_and_finds_every_draw(temperature, top_p):
+    """worker.sampling.replay_wave feeds a wave's completions back with the very prefill, decode and release
+    calls generate_waves made (sequences ending at different steps, and at the budget), so an engine whose
+    logits depend on the layout repeats them; every token is its draw's, every logprob the worker's. A forged
+    token is off its draw, and completions no honest wave holds are refused."""
+    from p2p.messages import GenerationRequest, SamplingParams
+    from worker.sampling import generate_waves, replay_wave
+
+    request = GenerationRequest([5, 6, 7], 8, group=9, completion=12)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=10, seed=3)
+    drawn = TracingBackend()
+    group = generate_waves(drawn, [request], params, {0}, 8)[0]
+    lengths = [len(c.tokens) for c in group]
+    assert temperature == 0 or (len(set(lengths)) > 2 and 10 in lengths)  # ends mid-wave, and at the budget
+    again = TracingBackend()
+    replayed = replay_wave(again, request, [c.tokens for c in group], params)
+    assert again.calls == drawn.calls
+    for c, r in zip(group, replayed, strict=True):
+        assert r.drawn == c.tokens and r.logprobs == c.logprobs and max(r.misses) == 0.0
+    forged = [list(c.tokens) for c in group]
+    forged[0][0] = (forged[0][0] + 1) % 12
+    first = replay_wave(TracingBackend(), request, forged, params)[0]
+    assert first.drawn[0] != forged[0][0] and first.misses[0] > 0
+    for bad in ([[]] + forged[1:], [[1] * 11] + forged[1:], [[12]] + forged[1:], [[-1]] + forged[1:], forged * 2):
+        with pytest.raises(ValueError):
+            replay_wave(TracingBackend(), request, bad, params)

@@ -150,15 +150,26 @@ class WaveReplay:
 def replay_wave(
     backend: LogitsBackend, request: GenerationRequest, completions: Sequence[Sequence[int]], params: SamplingParams
 ) -> list[WaveReplay]:
-    """The worker's `completions` of `request` (none empty, none past params.max_new_tokens: the caller's to
-    refuse) fed back, teacher-forced, in the very layout _generate_wave decodes one request's wave in: its
-    prompt read once, then every live sequence one token per decode call, each released after its last token.
-    On the same engine build, kernels and (quantized) file this repeats a wave drawn alone bit for bit, which
-    llama.cpp's quantized decoding does in no other layout (docs/security.md). It mirrors _generate_wave step for
-    step; tests/test_engines.py checks that the two stay in step (bit-for-bit equality)."""
+    """The worker's `completions` of `request` fed back, teacher-forced, in the very layout _generate_wave decodes
+    one request's wave in: its prompt read once, then every live sequence one token per decode call, each
+    released after its last token. On the same engine build, kernels and (quantized) file this repeats a wave
+    drawn alone bit for bit, which llama.cpp's quantized decoding did in no other layout tried
+    (docs/security.md). It mirrors _generate_wave step for step (tests/test_sampling.py compares their calls,
+    tests/test_engines.py their bits).
+
+    Raises ValueError for completions no honest worker sends in that layout: empty, longer than
+    params.max_new_tokens, a token id outside the vocabulary, or more than `backend.max_batch` of them. Where
+    each must stop (its stop tokens, its budget) is the caller's to check, as for any replay."""
+    n_max = int(getattr(backend, "max_batch", len(completions)))
+    if not 1 <= len(completions) <= n_max:
+        raise ValueError(f"{len(completions)} completions for a wave of at most {n_max}")
+    if any(not 1 <= len(tokens) <= params.max_new_tokens for tokens in completions):
+        raise ValueError(f"a completion is empty or longer than max_new_tokens {params.max_new_tokens}")
     keys = [(request.group, request.completion + j, request.position) for j in range(len(completions))]
     out = [WaveReplay() for _ in completions]
     logits = backend.prefill([replace(request, group_size=len(completions))], params.max_new_tokens)  # [n, V]
+    if any(not 0 <= t < logits.shape[1] for tokens in completions for t in tokens):
+        raise ValueError(f"a token id lies outside the vocabulary of {logits.shape[1]}")
     alive = list(range(len(completions)))
     for t in range(params.max_new_tokens):
         u = uniforms(params.seed, [(g, c, position + t) for g, c, position in (keys[s] for s in alive)])  # [n]
