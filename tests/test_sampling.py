@@ -148,6 +148,7 @@ def test_replay_wave_makes_the_calls_generate_waves_made_and_finds_every_draw(te
     forged[0][0] = (forged[0][0] + 1) % 12
     first = replay_wave(TracingBackend(), request, forged, params)[0]
     assert first.drawn[0] != forged[0][0] and first.misses[0] > 0
-    for bad in ([[]] + forged[1:], [[1] * 11] + forged[1:], [[12]] + forged[1:], [[-1]] + forged[1:], forged * 2):
+    bad_first = ([], [1] * 11, [12], [-1], [1.0])  # empty, past the budget, outside the vocabulary, not an id
+    for bad in [[first] + forged[1:] for first in bad_first] + [forged * 2]:
         with pytest.raises(ValueError):
             replay_wave(TracingBackend(), request, bad, params)

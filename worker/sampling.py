@@ -168,7 +168,7 @@ def replay_wave(
     keys = [(request.group, request.completion + j, request.position) for j in range(len(completions))]
     out = [WaveReplay() for _ in completions]
     logits = backend.prefill([replace(request, group_size=len(completions))], params.max_new_tokens)  # [n, V]
-    if any(not 0 <= t < logits.shape[1] for tokens in completions for t in tokens):
+    if any(not isinstance(t, int | np.integer) or not 0 <= t < logits.shape[1] for c in completions for t in c):
         raise ValueError(f"a token id lies outside the vocabulary of {logits.shape[1]}")
     alive = list(range(len(completions)))
     for t in range(params.max_new_tokens):
@@ -200,6 +200,7 @@ def replay_wave(
             break
         logits = backend.decode(alive, [completions[s][t] for s in alive])  # [len(alive), V]
     return out
+
 
 def generate_alone(
     generate: Generate, requests: Sequence[GenerationRequest], params: SamplingParams
