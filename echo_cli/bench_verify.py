@@ -230,6 +230,7 @@ def run_verify_bench(
             rows[f"steered within {0.9 * draw_tolerance:g} of the draws"] = steered(honest_groups, 0.9 * draw_tolerance)
             rows["steered within 0.02 of the draws"] = steered(honest_groups, 0.02)
         batch_dependence = {"f16": logprob_shift(honest_groups, sample(tensors, temperature, seed, max_batch=8))}
+        f16_alone = sample(tensors, temperature, seed, max_batch=group_size) if quants else []  # a wave per group
         for fmt in quants:
             quant_groups = sample(tensors, temperature, seed, fmt)
             quant_verifier = RolloutVerifier(
@@ -248,7 +249,6 @@ def run_verify_bench(
             )
             batch_dependence[fmt] = logprob_shift(quant_groups, sample(tensors, temperature, seed, fmt, max_batch=8))
             alone = sample(tensors, temperature, seed, fmt, max_batch=group_size)  # each group a wave of its own
-            f16_alone = sample(tensors, temperature, seed, max_batch=group_size)
             path, f16_path = quantized[fmt]["path"], str(Path(quantized[fmt]["path"]).parent / "policy.gguf")
             rows[f"{fmt} worker, wave replayed"] = wave_measure(alone, path)
             rows[f"{fmt} worker, logprobs jittered 0.01 nats, wave replayed"] = wave_measure(

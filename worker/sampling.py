@@ -31,7 +31,11 @@ def sample_next(logits: np.ndarray, temperature: float, top_p: float, u: np.ndar
     """
     if temperature == 0:
         return logits.argmax(axis=1).astype(np.int64), np.zeros(len(logits))
-    probs, logp = policy_distribution(logits, temperature, top_p)
+    return draw_tokens(*policy_distribution(logits, temperature, top_p), u)
+
+
+def draw_tokens(probs: np.ndarray, logp: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens [n] the draws u [n] pick from policy_distribution's (probs, logp) [n, V], and their logprobs."""
     tokens = inverse_cdf(probs, u)
     # a token of probability 0 can never be drawn: step back onto the last kept one if rounding put us there
     chosen = logp[np.arange(len(tokens)), tokens]
@@ -180,8 +184,8 @@ def replay_wave(
             logprobs = np.where(drawn == theirs, 0.0, -np.inf)
             misses = np.where(drawn == theirs, 0.0, 1.0)
         else:
-            drawn, _ = sample_next(logits, params.temperature, params.top_p, u)  # (the worker's own draw)
             probs, logp = policy_distribution(logits, params.temperature, params.top_p)  # [n, V] each
+            drawn, _ = draw_tokens(probs, logp, u)  # (as sample_next draws)
             cdf = np.cumsum(probs, axis=1)  # [n, V]
             high = cdf[rows, theirs]  # C(t)
             low = high - probs[rows, theirs]  # C(t - 1)
