@@ -79,7 +79,7 @@ def learner_start(
         else:
             from learner.swarm_loop import train_distributed
 
-            steps = train_distributed(cfg, resume=resume, probe=llamacpp_probe(cfg))
+            steps = train_distributed(cfg, resume=resume, probe=llamacpp_probe(cfg), quant=quant_engines(cfg))
         show_learner(steps, cfg.run.steps, console)
     except user_errors() as exc:
         raise fail(str(exc)) from None
@@ -108,6 +108,25 @@ def llamacpp_probe(cfg: LearnerConfig) -> object:
                            cfg.sampler.gpu_layers)  # fmt: skip
 
     return probe
+
+
+def quant_engines(cfg: LearnerConfig) -> object:
+    """llama.cpp engines on the learner's machine that replay quantized workers (`worker join --quant`) exactly,
+    on this machine's llama.cpp build (learner.orchestrate.verify_quantized); None where llama-cpp-python is
+    not installed: quantized workers are then refused at join."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    from learner.orchestrate.verify_quantized import QuantEngines
+    from worker.engines import make_engine
+    from worker.quantize import llamacpp_build
+
+    def make(fmt: str) -> object:  # a group is one wave of G sequences
+        return make_engine("llamacpp", Path(cfg.run.run_dir) / f"verify-{fmt}", cfg.sampler.threads,
+                           cfg.grpo.group_size, gpu_layers=0, quant=fmt)  # fmt: skip
+
+    return QuantEngines(make, llamacpp_build())
 
 
 @worker_app.command("join")

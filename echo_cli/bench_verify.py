@@ -77,16 +77,9 @@ def run_verify_bench(
     import torch
     from transformers import AutoModelForCausalLM
 
+    from learner.orchestrate.replay_torch import merged_weights, replay_sampling
     from learner.orchestrate.rollouts import Rollout
-    from learner.orchestrate.verify import (
-        Replay,
-        RolloutVerifier,
-        divergence,
-        draw_miss,
-        merged_weights,
-        off_draw,
-        replay_sampling,
-    )
+    from learner.orchestrate.verify import Replay, RolloutVerifier, divergence, draw_miss, off_draw
     from learner.tasks import make_task
     from learner.train.models import load_policy, model_spec
     from learner.train.wire_weights import wire_tensors

@@ -22,6 +22,7 @@ from learner.config import LearnerConfig
 from learner.evaluation import eval_task
 from learner.orchestrate.handlers import LearnerService
 from learner.orchestrate.journal import group_of
+from learner.orchestrate.verify_quantized import QuantEngines
 from learner.run import Phases, Run, batch_metrics, open_run
 from learner.swarm_side import start_swarm
 from learner.train.data_parallel import full_state, init_world, leave
@@ -32,12 +33,14 @@ log = logging.getLogger(__name__)
 
 
 def train_distributed(
-    cfg: LearnerConfig, resume: bool = False, probe: Callable[[ModelSpec], Engine | None] | None = None
+    cfg: LearnerConfig, resume: bool = False, probe: Callable[[ModelSpec], Engine | None] | None = None,
+    quant: QuantEngines | None = None,
 ) -> Iterator[dict]:
     """Run (or resume) a swarm GRPO run; yields each step's metrics after it is written.
 
     Under torchrun, rank 0 runs this loop and the other ranks `follow` it (learner.train.data_parallel).
-    `probe` builds a llama.cpp engine for a spec on this machine (learner.swarm_side.refuse_departing_llamacpp)."""
+    `probe` builds a llama.cpp engine for a spec on this machine (learner.swarm_side.refuse_departing_llamacpp);
+    `quant`, llama.cpp engines that replay quantized workers (learner.orchestrate.verify_quantized)."""
     every = cfg.eval.eval_every
     if every and every % cfg.swarm.publish_every:
         raise ConfigError(
@@ -53,7 +56,7 @@ def train_distributed(
         leave(world)
         return
     trainer, grpo = run.trainer, cfg.grpo
-    side = start_swarm(cfg, run, resume, probe)
+    side = start_swarm(cfg, run, resume, probe, quant)
     try:
         service, journal, resumed = side.service, side.journal, side.resumed
         verifier, seeder, publisher = side.verifier, side.seeder, side.publisher

@@ -27,6 +27,7 @@ from learner.orchestrate.hosting import STEP_CONCURRENCY, env_step_limits
 from learner.orchestrate.journal import JournalState, RolloutJournal, read_journal
 from learner.orchestrate.publisher import Publisher
 from learner.orchestrate.verify import RolloutVerifier
+from learner.orchestrate.verify_quantized import QuantEngines, QuantizedReplay
 from learner.run import Run, sampler_departure
 from learner.train.data_parallel import full_state
 from learner.train.models import model_spec
@@ -83,6 +84,8 @@ class SwarmSide:
         self.service.mark_published(version, manifest.payload_size)
 
     def close(self) -> None:
+        if self.verifier.quantized is not None:
+            self.verifier.quantized.close()
         self.seeder.close()  # stops the host that dials announced addresses back
         self.host.stop()
         self.journal.close()
@@ -112,10 +115,11 @@ def refuse_departing_llamacpp(cfg: LearnerConfig, run: Run, probe: Callable[[Mod
 
 
 def start_swarm(
-    cfg: LearnerConfig, run: Run, resume: bool, probe: Callable[[ModelSpec], Engine | None] | None = None
+    cfg: LearnerConfig, run: Run, resume: bool, probe: Callable[[ModelSpec], Engine | None] | None = None,
+    quant: QuantEngines | None = None,
 ) -> SwarmSide:
     """Start the host and every handler of `run`'s swarm side, then write RUN_DIR/learner.addr. `probe`: see
-    refuse_departing_llamacpp."""
+    refuse_departing_llamacpp; `quant`: llama.cpp engines to replay quantized workers with (None: refused)."""
     refuse_departing_llamacpp(cfg, run, probe)
     secret = read_secret(cfg.swarm.secret_file) if cfg.swarm.secret_file else None
     allow = read_allow_list(cfg.swarm.allow) if cfg.swarm.allow else None
@@ -154,6 +158,7 @@ def start_swarm(
             lora_scale=cfg.model.lora_alpha / max(cfg.model.lora_rank, 1),
             keep=swarm.staleness + swarm.publish_every + 1, device=run.world.device,
             off_draw_tolerance=swarm.verify_off_draw,
+            quantized=QuantizedReplay(quant, model_spec(policy)) if quant is not None else None,
         )  # fmt: skip
         service = LearnerService(
             seeder, cfg, policy, run.task, model_spec(policy), publisher.run_id, journal, verifier, resumed

@@ -28,6 +28,9 @@ MAX_GGUF_RECIPE = 4 << 20  # bytes of a GGUF recipe (~60 B a node: 30 KB for a d
 # are 5.2 MB of msgpack (2.1 MB zstd), which a 262k vocabulary (Gemma 3) would take past a frame's 8 MB
 MAX_VOCAB = 64 << 20
 VOCAB_FIELDS = ("tokens", "token_types", "merges")
+# weight formats a worker may run (`worker join --quant`): the learner's 16-bit weights, or llama.cpp's
+# quantization of them on the worker (worker.quantize), which a learner verifies on the same llama.cpp build only
+WEIGHT_FORMATS = ("f16", "q8_0", "q4_0", "q4_k_m")
 
 
 @dataclass(frozen=True)
@@ -284,7 +287,7 @@ def _versions(value: object, key: str) -> tuple[int, ...]:
 
 def describe_hardware(hardware: dict) -> str:
     """One bounded line from a worker's declared hardware (untrusted input: only known keys, short values),
-    e.g. "llamacpp on cuda NVIDIA GeForce RTX 4090 (24564 MB), 2 threads, x86_64 (16 cores)"."""
+    e.g. "llamacpp q8_0 on cuda NVIDIA GeForce RTX 4090 (24564 MB), 2 threads, x86_64 (16 cores)"."""
 
     def count(key: str) -> int | str:
         value = hardware.get(key)
@@ -294,6 +297,8 @@ def describe_hardware(hardware: dict) -> str:
         return "".join(c for c in str(hardware.get(key, default))[:limit] if c.isprintable())
 
     engine, machine = text("engine", "?", 16), text("machine", "?", 16)
+    if hardware.get("weights", "f16") != "f16":
+        engine += f" {text('weights', '', 8)}"
     where = text("backend", "cpu", 16)
     if hardware.get("gpu"):
         where += f" {text('gpu', '', 32)} ({count('gpu_mem_mb')} MB)"
@@ -310,7 +315,8 @@ class Heartbeat:
     hardware: dict = field(default_factory=dict)  # short strings and small integers only
     punched: int = 0  # peers behind NATs it reached by hole punching (its own word: shown in status, nothing more)
 
-    HARDWARE_KEYS = ("engine", "threads", "max_batch", "machine", "cores", "backend", "gpu", "gpu_mem_mb", "gpu_layers")
+    HARDWARE_KEYS = ("engine", "threads", "max_batch", "machine", "cores", "backend", "gpu", "gpu_mem_mb", "gpu_layers",
+                     "weights", "build")  # weights: one of WEIGHT_FORMATS; build: its llama.cpp build (quantized)
 
     def to_wire(self) -> dict:
         return {
@@ -480,6 +486,7 @@ class SpecReply:
     env: dict | None = None
     protocol: int = PROTOCOL  # the learner's (1: a learner before versioning, whose spec is a llama's)
     adapter_slots: int = 1  # > 1: each lease names the LoRA version it needs, of up to this many held at once
+    quant_build: str = ""  # the llama.cpp build on which the learner replays quantized workers ("": it does not)
 
     def to_wire(self) -> dict:
         spec = self.spec.to_dict()
@@ -487,7 +494,8 @@ class SpecReply:
         spec["vocab"] = zstandard.ZstdCompressor(level=3).compress(vocab)  # see MAX_VOCAB
         out = {"run_id": self.run_id, "spec": spec, "group_size": self.group_size, "protocol": self.protocol}
         slots = {"adapter_slots": self.adapter_slots} if self.adapter_slots != 1 else {}
-        return out | slots | ({"env": self.env} if self.env is not None else {})
+        quant = {"quant_build": self.quant_build} if self.quant_build else {}
+        return out | slots | quant | ({"env": self.env} if self.env is not None else {})
 
     @classmethod
     def from_wire(cls, msg: dict) -> SpecReply:
@@ -508,7 +516,10 @@ class SpecReply:
             _map(env.get("chat"), "env.chat")
         protocol = _int(msg, "protocol", 1, 1 << 16) if "protocol" in msg else 1
         slots = _int(msg, "adapter_slots", 1, MAX_ADAPTER_SLOTS, 1)
-        return cls(run_id, spec, _int(msg, "group_size", 1, 1 << 16), env, protocol, slots)
+        quant_build = msg.get("quant_build", "")
+        if not isinstance(quant_build, str) or len(quant_build) > 32 or not quant_build.isprintable():
+            raise MessageError("'quant_build' must be a printable string of at most 32 characters")
+        return cls(run_id, spec, _int(msg, "group_size", 1, 1 << 16), env, protocol, slots, quant_build)
 
 
 def _vocab(packed: object) -> dict[str, list]:

@@ -9,8 +9,9 @@ import torch
 from libp2p.crypto.ed25519 import Ed25519PrivateKey
 
 from learner.orchestrate.journal import FRAME, RolloutJournal, group_of, read_journal, read_records
+from learner.orchestrate.replay_torch import replay_sampling
 from learner.orchestrate.rollouts import Rollout, ScoredGroup
-from learner.orchestrate.verify import CAP, divergence, replay_sampling
+from learner.orchestrate.verify import CAP, divergence
 from p2p.auth import SwarmAuth, proof, read_allow_list, read_secret
 from p2p.broadcast import ChunkStore
 from p2p.config import ConfigError

@@ -232,7 +232,7 @@ def test_minibatches_take_several_updates_and_the_decoupled_clip_binds():
 
 def test_trainer_and_verifier_score_top_p_alike():
     """With top_p < 1 the trainer scores under the sampler's nucleus: on-policy ratios are 1."""
-    from learner.orchestrate.verify import replay_sampling
+    from learner.orchestrate.replay_torch import replay_sampling
 
     policy = tiny_policy(0)
     model = policy.model.float().eval()

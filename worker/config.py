@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from p2p.config import check_uplink, paced_bps, require
+from p2p.messages import WEIGHT_FORMATS
 
 DEFAULT_IDENTITY = "~/.config/echo-rl/worker.key"
 DEFAULT_WORK_DIR = "~/.cache/echo-rl/worker"
@@ -24,6 +25,8 @@ class WorkerConfig:
     """CPU threads for generation."""
     max_batch: int = 32
     """Sequences decoded together."""
+    quant: str = "f16"
+    """llama.cpp: weight format, f16, q8_0, q4_0 or q4_k_m (made here from each 16-bit version; README)."""
     gpu_layers: int = -1
     """llama.cpp: layers offloaded to the GPU (-1: all when llama.cpp was built with a GPU backend, else 0)."""
     device: str = "auto"
@@ -68,6 +71,10 @@ class WorkerConfig:
         require(self.threads >= 1, "worker.threads", "must be >= 1")
         require(self.max_batch >= 1, "worker.max_batch", "must be >= 1")
         require(self.max_groups >= 1, "worker.max_groups", "must be >= 1")
+        require(self.quant in WEIGHT_FORMATS, "worker.quant",
+                f"must be one of {', '.join(WEIGHT_FORMATS)}, got {self.quant!r}")  # fmt: skip
+        require(self.quant == "f16" or self.engine == "llamacpp", "worker.quant",
+                f"{self.quant} needs --engine llamacpp: the transformers engine runs 16-bit weights")  # fmt: skip
         require(self.gpu_layers >= -1, "worker.gpu_layers", f"must be >= -1 (-1: all), got {self.gpu_layers}")
         require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "worker.device",
                 f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")  # fmt: skip

@@ -128,7 +128,7 @@ class WorkerDaemon:
                      found["versions"], found["chunks"], found["corrupt"])  # fmt: skip
         self.peer = BroadcastPeer(self.host, store, cfg.learner, announce=[cfg.announce] if cfg.announce else None)
         self.engine = make_engine(
-            cfg.engine, work_dir / "engine", cfg.threads, cfg.max_batch, cfg.gpu_layers, cfg.device
+            cfg.engine, work_dir / "engine", cfg.threads, cfg.max_batch, cfg.gpu_layers, cfg.device, cfg.quant
         )
         self.hardware |= self.engine.backend()  # cpu, or the GPU backend, GPU name and memory
         log.info("engine %s on %s", cfg.engine, describe_hardware(self.hardware))
@@ -214,6 +214,7 @@ class WorkerDaemon:
             )
         if reason := self.engine.unsupported(reply.spec):
             raise ConfigError(reason)
+        self._check_weights(reply)
         self._join_swarm()
         if reply.group_size > self.cfg.max_batch:
             raise ConfigError(
@@ -234,6 +235,19 @@ class WorkerDaemon:
             ).start()  # fmt: skip
         self.episodes = None if reply.env is None else episode_rules(reply.env, self.cfg.allow_env)
         self.spec = reply.spec
+
+    def _check_weights(self, reply: SpecReply) -> None:
+        """Quantized weights only where the learner can replay them: its llama.cpp build is this worker's."""
+        quant, build = self.cfg.quant, self.hardware.get("build")
+        if quant == "f16":
+            return
+        if reply.env is not None:
+            raise ConfigError(f"--quant {quant}: multi-turn episodes are verified on 16-bit weights only: join "
+                              "with --quant f16")  # fmt: skip
+        if reply.quant_build != build:
+            theirs = f"on llama.cpp build {reply.quant_build}" if reply.quant_build else "on no llama.cpp build"
+            raise ConfigError(f"--quant {quant}: the learner verifies quantized workers {theirs}, this worker "
+                              f"runs {build}: join with --quant f16, or with the learner's llama-cpp-python build")
 
     def _join_swarm(self) -> None:
         """Register with the learner's peer list. Peer discovery never holds up work: the listed peers are
@@ -300,7 +314,8 @@ class WorkerDaemon:
                     wait = min(wait * 2, 10.0)
 
         try:  # an environment's groups are episodes, played turn by turn; greedy ones: held-out evaluation
-            generate = functools.partial(generate_alone, self.engine.generate) if lease.alone else self.engine.generate
+            alone = lease.alone or self.cfg.quant != "f16"  # quantized: each group in its own wave, as replayed
+            generate = functools.partial(generate_alone, self.engine.generate) if alone else self.engine.generate
             groups = generate_rollouts(generate, requests, lease.params, self.episodes, remote if hosted else None)
         except (EnvError, PeerUnavailable, RemoteError) as exc:  # its lease goes back to the learner when it expires
             log.warning("lease %d dropped: %s", lease.id, exc)

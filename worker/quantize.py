@@ -8,6 +8,7 @@ decode batch."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +27,17 @@ QUANT_TYPES = {
     "q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M,
 }
 """Weight formats a worker's llama.cpp can run besides F16, by the name users give them."""
+
+
+def llamacpp_build(offload: str = "") -> str:
+    """Which llama.cpp computes here, as far as its bits go: llama-cpp-python's version and a hash of the build's
+    features (CPU instruction sets, GPU architectures) and of `offload` (the GPU layers go to; "" CPU only).
+    Quantized decoding repeats bit for bit on one build (worker.sampling.replay_wave), not across builds: SmolLM2
+    q8_0 waves drawn with AVX2 replay 0.068 nats/token away on the same llama.cpp built without AVX2
+    (docs/security.md)."""
+    what = llama_cpp.llama_print_system_info().decode(errors="replace") + offload
+    where = "gpu" if offload else "cpu"
+    return f"{llama_cpp.__version__}-{where}-{hashlib.sha256(what.encode()).hexdigest()[:8]}"[:32]
 
 
 def quantize_gguf(src: str | Path, dst: str | Path, fmt: str, threads: int = 2) -> float:

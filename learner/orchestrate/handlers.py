@@ -18,11 +18,12 @@ from typing import Any
 from learner.config import LearnerConfig
 from learner.evaluation import Evaluator, eval_task
 from learner.orchestrate.evaluations import EvalBoard
-from learner.orchestrate.intake import PromptBook, RolloutIntake, rollout_limits
+from learner.orchestrate.intake import PromptBook, RolloutIntake, lease_sampling, rollout_limits
 from learner.orchestrate.journal import JournalState, RolloutJournal
 from learner.orchestrate.leases import LeaseTable
 from learner.orchestrate.replay import ReplayBuffer
 from learner.orchestrate.verify import RolloutVerifier
+from learner.orchestrate.verify_quantized import declared_weights
 from learner.orchestrate.versions import PolicyVersions
 from learner.orchestrate.workers import WorkerRecord
 from learner.plan.admission import LeaseAdmission
@@ -45,7 +46,6 @@ from p2p.messages import (
     LeaseReply,
     LeaseRequest,
     ModelSpec,
-    SamplingParams,
     SpecReply,
     SpecRequest,
     describe_hardware,
@@ -92,7 +92,10 @@ class LearnerService:
         self.prompts = PromptBook(task, policy, cfg.run.seed)
         episodes = self.prompts.source.episodes  # a multi-turn environment's: workers get its rules with the spec
         self.env_wire = None if episodes is None else {"spec": episodes.spec.to_wire(), "chat": episodes.chat.to_wire()}
-        self.spec_reply = SpecReply(run_id, spec, cfg.grpo.group_size, self.env_wire).to_wire()  # vocabulary zstd once
+        # the llama.cpp build quantized workers must share for the verifier's exact replay (verify_quantized)
+        self.quant_build = verifier.quantized.build if verifier.quantized is not None else ""
+        self.spec_reply = SpecReply(run_id, spec, cfg.grpo.group_size, self.env_wire,
+                                    quant_build=self.quant_build).to_wire()  # vocabulary zstd once; fmt: skip
         device = model_device(policy.model)
         self.device = f"{describe_device(device)}, {cfg.model.precision}" + (
             ", gradient checkpointing" if cfg.model.grad_checkpointing else "")  # fmt: skip
@@ -201,6 +204,7 @@ class LearnerService:
     def _on_heartbeat(self, peer: str, msg: dict) -> dict:
         beat = Heartbeat.from_wire(msg)  # bounded types and ranges (MessageError: a penalty)
         self.versions.check_published(beat.version)
+        weights = declared_weights(beat.hardware, self.quant_build, self.env_wire is not None, self.verifier.enabled)
         worker = self._worker(peer)
         with self._lock:
             if beat.version > worker.version:
@@ -209,6 +213,7 @@ class LearnerService:
             worker.price = beat.price
             worker.tokens_per_s = beat.tokens_per_s
             worker.hardware, worker.punched = describe_hardware(beat.hardware), beat.punched
+            worker.weights = weights
         with self._sched_lock:
             self.scheduler.seen(peer, worker.last_seen, worker.price)
         self._declare_rate(peer, worker.tokens_per_s)
@@ -241,7 +246,8 @@ class LearnerService:
         if not self._gather():
             self._decline("gathering")
             return LeaseReply(wait=0.5, newest=versions.published).to_wire()
-        evaluation = self.evals.offer(peer, request.version) if self.evals is not None else None
+        quantized = worker.weights != "f16"  # held-out evaluation is verified on torch: 16-bit workers only
+        evaluation = self.evals.offer(peer, request.version) if self.evals is not None and not quantized else None
         if evaluation is not None:  # held-out evaluation first: any worker holding the version may do it
             return LeaseReply(evaluation).to_wire()
         # leases of workers that have not (lately) returned one are extras, at most a batch (orchestrate.leases)
@@ -264,15 +270,16 @@ class LearnerService:
             # behind/stale/late/newer: generate with a newer version (the worker is fetching it); full: wait
             inactive = admitted.refused == "inactive"  # it keeps polling, so it fetches and relays versions
             return LeaseReply(wait=0.5 if inactive else 0.2, newest=versions.published, inactive=inactive).to_wire()
-        lease = self.leases.issue(peer, admitted.groups, request.version, admitted.timeout_s, due_s)
+        lease = self.leases.issue(peer, admitted.groups, request.version, admitted.timeout_s, due_s, worker.weights)
         self.journal.issue(lease.group_ids)
-        sampler, group_size = self.cfg.sampler, self.cfg.grpo.group_size
+        group_size = self.cfg.grpo.group_size
         grant = LeaseGrant(
             lease.lease_id,
             [self.prompts.request(g, group_size) for g in lease.group_ids],
-            SamplingParams(sampler.temperature, sampler.top_p, sampler.max_new_tokens, seed=lease.lease_id),
+            lease_sampling(self.cfg, lease.lease_id),
             min_version=request.version,
             deadline_s=admitted.timeout_s,
+            alone=quantized,  # each group in a wave of its own: the layout the verifier replays exactly
         )
         return LeaseReply(grant).to_wire()
 

@@ -40,7 +40,7 @@ from learner.rollout_source import RolloutSource
 from learner.tasks import Problem, Task, step_seed
 from learner.train.models import Policy
 from p2p.host import BadRequest, Misbehaviour
-from p2p.messages import GenerationRequest, MessageError, RolloutReply, RolloutSubmission
+from p2p.messages import GenerationRequest, MessageError, RolloutReply, RolloutSubmission, SamplingParams
 from p2p.wire import FrameLimits, rollout_frame_limits
 
 FORGOTTEN = 4096  # scored groups remembered, so that a draw under way as one is scored does not keep it again
@@ -205,7 +205,7 @@ class RolloutIntake:
         except ReplayError as exc:  # an observation, ending or return the environment does not reproduce
             self.verifier.flag(peer, f"an episode does not replay: {exc}")
             self._drop_flagged(peer)
-        verified = self._verify(peer, lease.lease_id, submission)
+        verified = self._verify(peer, lease, submission)
         groups = [ScoredGroup(g, version, peer, rollouts) for g, rollouts in zip(lease.group_ids, scored, strict=True)]
         self.journal.accept(groups)  # on disk before the worker hears "accepted" (learner.orchestrate.journal)
         self.prompts.forget(lease.group_ids)  # a group is scored once: its prompt need not be kept any more
@@ -239,7 +239,7 @@ class RolloutIntake:
         if [g.group for g in submission.groups] != lease.group_ids:
             raise Misbehaviour(f"the lease's groups are {lease.group_ids}, in that order")
 
-    def _verify(self, peer: str, lease_id: int, submission: RolloutSubmission) -> int:
+    def _verify(self, peer: str, lease: Lease, submission: RolloutSubmission) -> int:
         """Replay the sampling of the groups chosen for checking (learner.orchestrate.verify); returns how many
         were checked. On a mismatch flag the worker and drop its groups from the buffer (and the journal)."""
         checked = 0
@@ -250,8 +250,10 @@ class RolloutIntake:
             rollouts = [
                 Rollout(prompt, c.tokens, c.logprobs, 0.0, 0.0, submission.version, c.spans) for c in group.completions
             ]
+            quantized = None if lease.weights == "f16" else (lease.weights, lease_sampling(self.cfg, lease.lease_id))
             # None: the claimed version left the window of kept weights: too stale to train on, and unverifiable
-            if self.verifier.check(peer, submission.version, lease_id, group.group, rollouts) is None:
+            if self.verifier.check(peer, submission.version, lease.lease_id, group.group, rollouts,
+                                   quantized=quantized) is None:  # fmt: skip
                 raise BadRequest(f"v{submission.version} is too old to verify or train on: fetch a newer version")
             checked += 1
             if peer in self.verifier.flagged:
@@ -288,6 +290,12 @@ class RolloutIntake:
             log.info("held-out answer from %s verified (%d groups); the figure waits for a second evaluator",
                      peer[-8:], verdict["checked"])  # fmt: skip
         return RolloutReply(verdict["groups"])
+
+
+def lease_sampling(cfg: LearnerConfig, lease_id: int) -> SamplingParams:
+    """How a training lease samples: the run's sampler, keyed by the lease's id (every draw: p2p.draws)."""
+    sampler = cfg.sampler
+    return SamplingParams(sampler.temperature, sampler.top_p, sampler.max_new_tokens, seed=lease_id)
 
 
 def completion_tokens(cfg: LearnerConfig) -> int:

@@ -35,6 +35,7 @@ class Lease:
     deadline: float
     due: float  # after this the lease no longer counts towards the next batch (module docstring)
     counted: bool  # issued to a reliable worker: the batch counts on it until `due`
+    weights: str = "f16"  # the weight format its worker declared: its groups are verified as drawn on it
 
 
 @dataclass
@@ -77,7 +78,8 @@ class LeaseTable:
         self._lock = threading.Lock()
 
     def issue(
-        self, worker: str, n_groups: int, min_version: int, timeout_s: float | None = None, due_s: float | None = None
+        self, worker: str, n_groups: int, min_version: int, timeout_s: float | None = None, due_s: float | None = None,
+        weights: str = "f16",
     ) -> Lease:
         """A lease of `n_groups` groups for `worker`, which gives up any lease it still holds. `due_s`: seconds
         the next batch counts on it (None: until its deadline); an unreliable worker's lease is never counted."""
@@ -98,7 +100,8 @@ class LeaseTable:
             now = time.monotonic()
             timeout_s = timeout_s or self.timeout_s
             due = now + min(timeout_s, due_s if due_s is not None else timeout_s)
-            lease = Lease(secrets.randbits(62), worker, groups, min_version, now, now + timeout_s, due, counted)
+            lease_id = secrets.randbits(62)
+            lease = Lease(lease_id, worker, groups, min_version, now, now + timeout_s, due, counted, weights)
             self.live[lease.lease_id] = lease
             self.counters.issued += 1
             return lease

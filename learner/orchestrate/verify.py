@@ -53,24 +53,17 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from learner.orchestrate.replay_torch import greedy_gaps, merged_weights, replay_sampling
 from learner.orchestrate.rollouts import Rollout
-from learner.train.trainer import (
-    head_logits,
-    model_device,
-    nucleus_masks,
-    pack_completions,
-    sampled,
-    sampled_logprobs,
-)
+from learner.orchestrate.verify_quantized import EXACT, QuantizedReplay
+from learner.train.trainer import sampled, sampled_logprobs
 from p2p.draws import uniforms
-from p2p.messages import is_adapter
-from p2p.weights import lora_deltas, to_float32
+from p2p.messages import GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -83,72 +76,6 @@ GREEDY_GAP = 0.25
 # float32 replay): SmolLM2 at T 0.8 put up to 8% of a group's tokens beside their draws, by at most 1.2e-3
 # (2026-11-25; bench verify: m at most 1.6e-3), so o counts only tokens further off than this
 DRAW_NOISE = 2e-3
-
-
-def merged_weights(
-    base: Mapping[str, np.ndarray], adapters: Mapping[str, np.ndarray] | None, scale: float
-) -> dict[str, torch.Tensor]:
-    """Full float32 weights under HF names; LoRA adapters merged: W + scale * B A (p2p.weights)."""
-    weights = {name: torch.from_numpy(to_float32(a)) for name, a in base.items() if not is_adapter(name)}
-    for name, delta in lora_deltas(adapters or {}, scale):
-        weights[name] = weights[name] + torch.from_numpy(delta)
-    return weights
-
-
-ROWS_PER_BLOCK = 256  # completion positions whose [rows, V] distributions are held at once (float64)
-
-
-def replay_sampling(
-    model: torch.nn.Module, batch: list[Rollout], temperature: float, top_p: float, u: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """For every completion token of `batch`: log mu(token) and, given its draw u [N], the distance of u
-    from the token's inverse-CDF interval. Returns (logprobs [K, N], misses [K, N]; misses are 0 when u
-    is None), K = 1 (top_p = 1) or 2 (top_p < 1: row 0 the strict nucleus, row 1 one token wider).
-
-    mu = softmax(logits / T) restricted to the top-p nucleus and renormalised, as worker.sampling draws
-    it (-inf outside), in float64.
-    """
-    ids, mask, rows_t, cols_t = pack_completions(batch, model_device(model))  # [B, T], [B, T], [N], [N]
-    # the output layer only at completion positions (as learner.train.trainer.completion_logprobs)
-    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1)
-    hidden = out.hidden_states[-1][rows_t, cols_t]  # [N, H]
-    targets = ids[rows_t, cols_t + 1]  # [N]
-    logprobs, misses = [], []
-    for start in range(0, len(targets), ROWS_PER_BLOCK):  # bounded memory for long completions
-        block = slice(start, start + ROWS_PER_BLOCK)
-        logp = torch.log_softmax(head_logits(model, hidden[block]).double() / temperature, dim=-1)  # [n, V]
-        nuclei = [None] if top_p >= 1.0 else list(nucleus_masks(logp, top_p))
-        t = targets[block][:, None]  # [n, 1]
-        lp_rows, miss_rows = [], []
-        for keep in nuclei:
-            lp = logp if keep is None else logp.masked_fill(~keep, -torch.inf)
-            lp = lp - torch.logsumexp(lp, dim=-1, keepdim=True)  # [n, V] renormalised over the nucleus
-            lp_rows.append(lp.gather(1, t)[:, 0])
-            if u is None:
-                miss_rows.append(torch.zeros(len(t), dtype=torch.float64, device=ids.device))
-                continue
-            probs = lp.exp()
-            high = probs.cumsum(-1).gather(1, t)[:, 0]  # C(t)
-            low = high - probs.gather(1, t)[:, 0]  # C(t - 1)
-            ub = u[block].to(ids.device, torch.float64) * probs.sum(-1)  # the sampler scales u by its row's total
-            miss_rows.append(torch.clamp(torch.maximum(low - ub, ub - high), min=0.0))
-        logprobs.append(torch.stack(lp_rows))
-        misses.append(torch.stack(miss_rows))
-    return torch.cat(logprobs, dim=1).cpu(), torch.cat(misses, dim=1).cpu()  # [K, N] each
-
-
-def greedy_gaps(model: torch.nn.Module, batch: list[Rollout]) -> torch.Tensor:
-    """For every completion token of `batch`: how far its logit lies below the most likely token's: [N]."""
-    ids, mask, rows_t, cols_t = pack_completions(batch, model_device(model))  # [B, T], [B, T], [N], [N]
-    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1)
-    hidden = out.hidden_states[-1][rows_t, cols_t]  # [N, H]
-    targets = ids[rows_t, cols_t + 1]  # [N]
-    gaps = []
-    for start in range(0, len(targets), ROWS_PER_BLOCK):
-        block = slice(start, start + ROWS_PER_BLOCK)
-        logits = head_logits(model, hidden[block]).double()  # [n, V]
-        gaps.append(logits.max(dim=-1).values - logits.gather(1, targets[block][:, None])[:, 0])
-    return torch.cat(gaps).cpu()  # [N]
 
 
 def divergence(reported: list[float], recomputed: torch.Tensor) -> float:
@@ -196,7 +123,7 @@ class RolloutVerifier:
     def __init__(
         self, make_model, temperature: float, top_p: float, first: int, fraction: float, tolerance: float,
         draw_tolerance: float, lora_scale: float = 0.0, keep: int = 4, device: torch.device | str = "cpu",
-        off_draw_tolerance: float = 1.0,
+        off_draw_tolerance: float = 1.0, quantized: QuantizedReplay | None = None,
     ) -> None:  # fmt: skip
         self.make_model = make_model  # () -> a float32 torch model of the policy's architecture (no LoRA)
         self.device = torch.device(device)  # where the replay runs (the learner's device)
@@ -204,6 +131,7 @@ class RolloutVerifier:
         self.first, self.fraction, self.tolerance = first, fraction, tolerance
         self.draw_tolerance, self.off_draw_tolerance = draw_tolerance, off_draw_tolerance
         self.lora_scale = lora_scale
+        self.quantized = quantized  # replays quantized workers on llama.cpp (None: this learner does not)
         self.keep = keep  # versions kept besides a LoRA base: staleness + publish_every + 1 is enough
         self.versions: dict[int, tuple[dict[str, np.ndarray], int | None]] = {}  # v -> (wire tensors, adapter base)
         self.checked: dict[str, int] = {}  # worker -> groups verified in accepted submissions
@@ -266,12 +194,15 @@ class RolloutVerifier:
 
     def measure(
         self, version: int, seed: int, group_id: int, group: list[Rollout], params: tuple[float, float] | None = None,
-        first: int = 0,
+        first: int = 0, quantized: tuple[str, SamplingParams] | None = None,
     ) -> Replay | None:  # fmt: skip
         """Replay a group's sampling (its lease's `seed`, its id, its completions in order, numbered from `first`)
         under version `version`, or None if that version is no longer kept. `params`: the lease's (temperature,
-        top_p), where they are not the run's (`echo-rl serve`'s requests each bring theirs)."""
+        top_p), where they are not the run's (`echo-rl serve`'s requests each bring theirs). `quantized`: the
+        weight format the worker declared and its lease's sampling, for a group drawn alone on llama.cpp."""
         temperature, top_p = params or (self.temperature, self.top_p)
+        if quantized is not None:
+            return self._measure_quantized(version, group_id, group, first, *quantized)
         with self._replaying:
             if not self._load(version):
                 return None
@@ -290,27 +221,27 @@ class RolloutVerifier:
 
     def check(
         self, worker: str, version: int, seed: int, group_id: int, group: list[Rollout],
-        params: tuple[float, float] | None = None, first: int = 0,
+        params: tuple[float, float] | None = None, first: int = 0, quantized: tuple[str, SamplingParams] | None = None,
     ) -> Replay | None:  # fmt: skip
         """measure() a group of `worker` and flag the worker when d > tolerance, a token's draw misses its
-        interval by more than draw_tolerance, or more than off_draw_tolerance of its tokens are off their
-        draws. None if the version is no longer kept."""
-        replay = self.measure(version, seed, group_id, group, params, first)
+        interval by more than draw_tolerance (both EXACT for quantized weights: the replay is exact), or more than
+        off_draw_tolerance of its tokens are off their draws. None if the version is no longer kept."""
+        replay = self.measure(version, seed, group_id, group, params, first, quantized)
         if replay is None:
             return None
         d, m, o = replay.divergence, replay.draw_miss, replay.off_draw
+        tolerance, draw_tolerance = (self.tolerance, self.draw_tolerance) if quantized is None else (EXACT, EXACT)
+        on = f"v{version}" if quantized is None else f"v{version} {quantized[0]}"
         with self._lock:
             self.divergences.append(d)
             self.draw_misses.append(m)
             self.off_draws.append(o)
-            if d > self.tolerance:
+            if d > tolerance:
+                self.flagged[worker] = f"logprobs diverge from {on} by {d:.3g} nats/token (tolerance {tolerance})"
+            elif m > draw_tolerance:
                 self.flagged[worker] = (
-                    f"logprobs diverge from v{version} by {d:.3f} nats/token (tolerance {self.tolerance})"
-                )
-            elif m > self.draw_tolerance:
-                self.flagged[worker] = (
-                    f"tokens were not sampled from the lease's draws under v{version}: a draw misses its "
-                    f"token's interval by {m:.4f} (tolerance {self.draw_tolerance})"
+                    f"tokens were not sampled from the lease's draws under {on}: a draw misses its "
+                    f"token's interval by {m:.4f} (tolerance {draw_tolerance})"
                 )
             elif o > self.off_draw_tolerance:
                 self.flagged[worker] = (
@@ -318,6 +249,30 @@ class RolloutVerifier:
                     f"their draw's token (tolerance {self.off_draw_tolerance:.1%})"
                 )
         return replay
+
+    def _measure_quantized(
+        self, version: int, group_id: int, group: list[Rollout], first: int, fmt: str, sampling: SamplingParams
+    ) -> Replay | None:
+        """measure() for a group drawn alone on `fmt` weights: llama.cpp's replay of its wave (verify_quantized)."""
+        if self.quantized is None:  # (the handlers lease to quantized workers only where it is set)
+            raise RuntimeError("this learner replays no quantized weights")
+        request = GenerationRequest(group[0].prompt_ids, len(group), group_id, completion=first)
+        with self._replaying:
+            with self._lock:
+                if version not in self.versions:
+                    return None
+                tensors, base = self.versions[version]
+                base_tensors = self.versions[base][0] if base is not None else None
+            tick = time.perf_counter()
+            replayed = self.quantized.replay(fmt, version, tensors, base, base_tensors, request,
+                                             [r.completion_ids for r in group], sampling)  # fmt: skip
+            with self._lock:
+                self.replays += 1
+                self.replay_s += time.perf_counter() - tick
+        recomputed = torch.tensor([[x for r in replayed for x in r.logprobs]], dtype=torch.float64)  # [1, N]
+        misses = torch.tensor([[x for r in replayed for x in r.misses]], dtype=torch.float64)  # [1, N]
+        reported = [lp for r in group for lp in sampled_logprobs(r)]
+        return Replay(divergence(reported, recomputed), draw_miss(misses), off_draw(misses), recomputed[0].tolist())
 
     def check_greedy(self, worker: str, version: int, group: list[Rollout]) -> float | None:
         """The greedy gap g of a group's completions under `version`; flags the worker when g > GREEDY_GAP.

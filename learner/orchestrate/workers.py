@@ -20,6 +20,7 @@ class WorkerRecord:
     refused: int = 0
     hardware: str = ""  # what it declared it runs on (p2p.messages.describe_hardware)
     punched: int = 0  # peers behind NATs it says it reached by hole punching (heartbeats)
+    weights: str = "f16"  # the weight format it declared (p2p.messages.WEIGHT_FORMATS): what its leases are bound to
 
     def row(self, learner_version: int, now: float, active: bool) -> dict[str, Any]:
         """The fields both the status document (docs/status.md) and each step's metrics show."""
@@ -33,4 +34,5 @@ class WorkerRecord:
             "refused": self.refused,
             "last_seen_s": round(now - self.last_seen, 1),
             "punched": self.punched,
+            "weights": self.weights,
         }

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from learner.orchestrate.replay_torch import merged_weights, replay_sampling
 from learner.orchestrate.rollouts import Rollout
-from learner.orchestrate.verify import merged_weights, replay_sampling
 from learner.serve.sampler import Drawn, SamplerWeights, workers_adapters
 from learner.train.models import load_policy
 from learner.train.wire_weights import wire_name, wire_tensors

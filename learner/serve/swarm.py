@@ -211,6 +211,8 @@ class SwarmSampler:
 
     def _on_heartbeat(self, peer: str, msg: dict) -> dict:
         beat = Heartbeat.from_wire(msg)
+        if beat.hardware.get("weights", "f16") != "f16":  # serve replays every sample on torch: 16-bit weights
+            raise BadRequest("quantized weights: `echo-rl serve` verifies 16-bit workers only (--quant f16)")
         self.board.seen(peer, beat.version, beat.hardware.get("max_batch"), beat.tokens_per_s, beat.hardware)
         return HeartbeatReply(self.board.version, tuple(sorted(self.board.working()))).to_wire()
 

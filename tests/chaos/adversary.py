@@ -33,8 +33,8 @@ import torch
 import zstandard
 
 from echo_cli.bench_verify import steered_completion
+from learner.orchestrate.replay_torch import replay_sampling
 from learner.orchestrate.rollouts import Rollout
-from learner.orchestrate.verify import replay_sampling
 from p2p.auth import authenticate
 from p2p.broadcast import JOIN, BroadcastPeer, ChunkStore
 from p2p.host import Host, PeerUnavailable, RemoteError

@@ -13,17 +13,20 @@ from typing import Any
 
 
 def make_engine(
-    name: str, work_dir: str | Path, threads: int, max_batch: int, gpu_layers: int = -1, device: str = "auto"
+    name: str, work_dir: str | Path, threads: int, max_batch: int, gpu_layers: int = -1, device: str = "auto",
+    quant: str = "f16",
 ) -> Any:
     """Build the engine called `name` (llamacpp or transformers); imports only what it needs.
 
     `gpu_layers` (llama.cpp): layers offloaded to the GPU, -1 all when the build has a GPU backend.
-    `device` (transformers): auto, cpu, cuda or cuda:N."""
+    `device` (transformers): auto, cpu, cuda or cuda:N. `quant` (llama.cpp): the weight format it runs."""
     if name == "llamacpp":
         from worker.engines.llamacpp import LlamaCppEngine
 
-        return LlamaCppEngine(work_dir, threads=threads, max_batch=max_batch, gpu_layers=gpu_layers)
+        return LlamaCppEngine(work_dir, threads=threads, max_batch=max_batch, gpu_layers=gpu_layers, quant=quant)
     if name == "transformers":
+        if quant != "f16":
+            raise ValueError(f"--quant {quant} needs the llama.cpp engine: the transformers engine runs 16-bit weights")
         from worker.engines.hf import TransformersEngine
 
         return TransformersEngine(threads=threads, max_batch=max_batch, device=device)

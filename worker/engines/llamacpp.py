@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -31,7 +32,8 @@ from worker.gguf_writer import (
     write_gguf,
     write_lora_gguf,
 )
-from worker.sampling import generate_waves
+from worker.quantize import QUANT_TYPES, llamacpp_build, quantize_gguf
+from worker.sampling import WaveReplay, generate_waves, replay_wave
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +102,11 @@ class LlamaCppEngine:
     token for every live sequence per call until all have stopped.
     """
 
-    def __init__(self, work_dir: str | Path, threads: int = 2, max_batch: int = 32, gpu_layers: int = -1) -> None:
+    def __init__(
+        self, work_dir: str | Path, threads: int = 2, max_batch: int = 32, gpu_layers: int = -1, quant: str = "f16"
+    ) -> None:
+        if quant != "f16" and quant not in QUANT_TYPES:
+            raise ConfigError(f"unknown weight format {quant!r}: choose f16 or {', '.join(QUANT_TYPES)}")
         if gpu_layers > 0 and not gpu_backend():  # before any state: nothing to free
             raise ConfigError(
                 f"--gpu-layers {gpu_layers}: this llama-cpp-python was built for the CPU only; rebuild it with "
@@ -112,6 +118,7 @@ class LlamaCppEngine:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.threads = threads
         self.max_batch = max_batch
+        self.quant = quant  # f16, or llama.cpp's quantization of each version's F16 GGUF (worker.quantize)
         self.n_batch = 512  # tokens per llama_decode call during prefill
         self.model: llama_cpp.llama_model_p | None = None
         self.ctx: llama_cpp.llama_context_p | None = None
@@ -146,7 +153,7 @@ class LlamaCppEngine:
             weights = {name: a if a.dtype == np.float16 else to_float32(a) for name, a in weights.items()}
             base = weights if merge else None
             if not (merge and adapters):  # else the merged weights are the ones loaded
-                model = self._load_model(self._write(spec, weights))
+                model = self._load_model(self._model_file(spec, weights))
         adapter = None
         if adapters and merge:
             kept = base if base is not None else self.base
@@ -155,7 +162,7 @@ class LlamaCppEngine:
             merged = dict(kept)
             for name, delta in lora_deltas(adapters, spec.lora_alpha / spec.lora_rank):
                 merged[name] = to_float32(kept[name]) + delta
-            model, base = self._load_model(self._write(spec, merged)), kept
+            model, base = self._load_model(self._model_file(spec, merged)), kept
         elif adapters:
             target = model or self.model
             if target is None:
@@ -203,6 +210,16 @@ class LlamaCppEngine:
         self._layout = (spec, GGUFLayout.of(path))
         return path
 
+    def _model_file(self, spec: ModelSpec, weights: Mapping[str, np.ndarray]) -> Path:
+        """The GGUF llama.cpp loads: the F16 one, or (--quant) llama.cpp's quantization of it, renamed into place."""
+        path = self._write(spec, weights)
+        if self.quant == "f16":
+            return path
+        quantized = self.work_dir / f"policy.{self.quant}.gguf"
+        quantize_gguf(path, quantized.with_suffix(".tmp"), self.quant, self.threads)
+        os.replace(quantized.with_suffix(".tmp"), quantized)
+        return quantized
+
     def load_policy(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None:
         """Convert float weights to an F16 GGUF in the work dir and load it; LoRA adapters among the
         tensors (a LoRA run's full snapshot) go on top."""
@@ -240,10 +257,13 @@ class LlamaCppEngine:
         return None
 
     def backend(self) -> dict[str, str | int]:
-        """What this engine computes on, for the heartbeat: the GPU backend when layers are offloaded."""
+        """What this engine computes on, for the heartbeat: the GPU backend when layers are offloaded, and the
+        weight format (with the build a verifier must share to replay quantized weights)."""
+        weights: dict[str, str | int] = {"weights": self.quant}
         if not self.gpu_layers:
-            return {"backend": "cpu"}
-        return {"backend": gpu_backend().lower(), "gpu_layers": self.gpu_layers, **gpu_device()}
+            return {"backend": "cpu", **weights, **({"build": llamacpp_build()} if self.quant != "f16" else {})}
+        gpu = {"backend": gpu_backend().lower(), "gpu_layers": self.gpu_layers, **gpu_device()}
+        return gpu | weights | ({"build": llamacpp_build(str(gpu))} if self.quant != "f16" else {})
 
     def close(self) -> None:
         self._free_context()
@@ -296,6 +316,15 @@ class LlamaCppEngine:
         if too_big := [r.group_size for r in requests if r.group_size > self.max_batch]:
             raise ConfigError(f"group size {too_big[0]} exceeds max_batch {self.max_batch}")
         return generate_waves(self, requests, params, self.eos_ids, self.max_batch)
+
+    def replay(
+        self, request: GenerationRequest, completions: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[WaveReplay]:
+        """A group drawn alone fed back in its wave's layout (worker.sampling.replay_wave): the learner's replay of
+        a quantized worker on this build."""
+        if self.model is None:
+            raise RuntimeError("no policy loaded: call load_policy() first")
+        return replay_wave(self, request, completions, params)
 
     # -- next-token logits for worker.sampling.generate_waves (LogitsBackend) --------------------
 

@@ -1,0 +1,109 @@
+"""Replaying a quantized worker: llama.cpp's quantization of the version it claims, on the learner's own build.
+
+A worker that runs q8_0, q4_0 or q4_k_m weights (`worker join --quant`) quantizes each signed 16-bit version
+itself with llama.cpp and draws every group in a wave of its own. Its logprobs lie as far from a float replay as
+another policy's would (docs/security.md), but on one llama.cpp build the same F16 GGUF quantizes to the same
+blocks, and a wave fed back teacher-forced in its own layout repeats the worker's decoding bit for bit
+(worker.sampling.replay_wave; neither the context's size, its sequence slots, an earlier wave nor the thread
+count moved a bit on SmolLM2). So the learner quantizes the version it keeps the same way, in an engine of its
+own (injected by echo_cli: learner code never imports worker), and asks for exactness:
+
+    d = mean over tokens of |log mu_worker - log mu_replayed|      must be 0 (EXACT)
+    m = max over tokens of the draw's distance from its token's interval under the replayed weights (EXACT)
+
+Another build lands ~0.07 nats/token away (AVX2 against the same llama.cpp built without it), so only workers
+declaring the learner's build get leases (learner.orchestrate.handlers); they cannot lie about it usefully: a
+worker of another build, or of another format, is caught by the replay like any forger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from p2p.host import BadRequest
+from p2p.messages import WEIGHT_FORMATS, GenerationRequest, ModelSpec, SamplingParams, is_adapter
+
+EXACT = 1e-9  # d and m of an exact replay are 0; this only absorbs a float's round trip through the wire
+
+
+def declared_weights(hardware: dict, quant_build: str, episodes: bool, verifying: bool) -> str:
+    """The weight format a heartbeat declares, refused (BadRequest, no penalty: a worker's setting) where the learner
+    cannot verify it: quantized weights need its own llama.cpp build (`quant_build`, "" none) and single-turn
+    groups (`episodes`: the run's are multi-turn). Without verification (`verifying` false) every format goes."""
+    weights = hardware.get("weights", "f16")
+    if weights not in WEIGHT_FORMATS:
+        raise BadRequest(f"unknown weight format {weights!r}: one of {', '.join(WEIGHT_FORMATS)}")
+    if weights == "f16" or not verifying:
+        return weights
+    if episodes:
+        raise BadRequest(f"{weights} weights: multi-turn episodes are verified on 16-bit weights only")
+    if not quant_build or hardware.get("build") != quant_build:
+        raise BadRequest(f"{weights} weights on llama.cpp build {hardware.get('build')!r}: this learner verifies "
+                         f"quantized workers on build {quant_build or 'none'} only")  # fmt: skip
+    return weights
+
+
+class WaveReplayer(Protocol):
+    """What the learner needs of a worker's llama.cpp engine (worker.engines.llamacpp.LlamaCppEngine)."""
+
+    def load_policy(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None: ...
+
+    def load_adapters(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None: ...
+
+    def replay(self, request: GenerationRequest, completions: Sequence[Sequence[int]], params: SamplingParams) -> list:
+        """worker.sampling.WaveReplay per completion: .drawn, .logprobs, .misses per token."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class QuantEngines:
+    """What echo_cli injects where llama-cpp-python is installed: `make(fmt)` builds a llama.cpp engine that
+    quantizes what it loads to `fmt`, and `build` names the llama.cpp it runs (worker.quantize.llamacpp_build)."""
+
+    make: Callable[[str], WaveReplayer]
+    build: str
+
+
+class QuantizedReplay:
+    """One llama.cpp engine per weight format, each holding the newest version it replayed (not thread-safe:
+    the verifier calls it while it holds its replay lock)."""
+
+    def __init__(self, engines: QuantEngines, spec: ModelSpec) -> None:
+        self.make_engine = engines.make  # weight format -> an engine that quantizes what it loads to it
+        self.build = engines.build  # quantized workers must run this build
+        self.spec = spec
+        self.engines: dict[str, tuple[WaveReplayer, int, int | None]] = {}  # fmt -> (engine, version, base held)
+
+    def replay(
+        self, fmt: str, version: int, tensors: Mapping[str, np.ndarray], base: int | None,
+        base_tensors: Mapping[str, np.ndarray] | None, request: GenerationRequest,
+        completions: Sequence[Sequence[int]], params: SamplingParams,
+    ) -> list:  # fmt: skip
+        """Replay one group drawn alone under `version` in `fmt` (its wire tensors; a LoRA version's adapters on
+        base version `base`, as the worker installs them). Raises ValueError for completions no honest worker
+        sends (worker.sampling.replay_wave)."""
+        engine, loaded, loaded_base = self.engines.get(fmt, (None, -1, None))
+        if engine is None:
+            engine = self.make_engine(fmt)
+            self.engines[fmt] = (engine, -1, None)
+        if loaded != version:
+            if base is not None and base == loaded_base:  # adapters onto the base this engine holds already
+                engine.load_adapters(self.spec, {n: a for n, a in tensors.items() if is_adapter(n)})
+            elif base is not None and base_tensors is not None:
+                base_only = {n: a for n, a in base_tensors.items() if not is_adapter(n)}
+                engine.load_policy(self.spec, base_only | {n: a for n, a in tensors.items() if is_adapter(n)})
+            else:
+                engine.load_policy(self.spec, tensors)
+        self.engines[fmt] = (engine, version, version if base is None else base)  # a full version is its own base
+        return engine.replay(request, completions, params)
+
+    def close(self) -> None:
+        for engine, _, _ in self.engines.values():
+            engine.close()
+        self.engines.clear()

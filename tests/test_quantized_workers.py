@@ -1,0 +1,150 @@
+"""Quantized workers (`worker join --quant`): the learner replays their groups exactly on its own llama.cpp build,
+refuses a format or build it cannot verify in one line, and flags a worker that runs another format than it
+declares; in a real swarm an F16 and a q8_0 worker train side by side, neither flagged."""
+
+import subprocess
+import sys
+
+import pytest
+
+from learner.orchestrate.rollouts import Rollout
+from learner.orchestrate.verify import RolloutVerifier
+from learner.orchestrate.verify_quantized import QuantEngines, QuantizedReplay, declared_weights
+from learner.train.models import model_spec
+from learner.train.wire_weights import wire_tensors
+from p2p.host import BadRequest
+from p2p.messages import WEIGHT_FORMATS, GenerationRequest, Heartbeat, SamplingParams, SpecReply, describe_hardware
+from tests.conftest import ROOT, run_cli
+from worker.engines import make_engine
+from worker.quantize import QUANT_TYPES, llamacpp_build
+from worker.sampling import generate_alone
+
+PARAMS = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16, seed=77)
+
+
+def test_weight_formats_are_the_quantizers_and_declared_bounded():
+    assert set(WEIGHT_FORMATS) == {"f16", *QUANT_TYPES}
+    beat = Heartbeat.from_wire({"version": 1, "hardware": {"weights": "q8_0", "build": "x" * 99, "engine": "llamacpp"}})
+    assert beat.hardware["weights"] == "q8_0" and len(beat.hardware["build"]) == 32
+    assert describe_hardware(beat.hardware).startswith("llamacpp q8_0 on cpu")
+    spec = SpecReply.from_wire(SpecReply("r", model_spec_of_tiny(), 4, quant_build="0.3.36-cpu-abc").to_wire())
+    assert spec.quant_build == "0.3.36-cpu-abc"
+    with pytest.raises(ValueError, match="quant_build"):
+        SpecReply.from_wire(SpecReply("r", model_spec_of_tiny(), 4).to_wire() | {"quant_build": "\x1b[2J"})
+
+
+def model_spec_of_tiny():
+    from learner.train.models import tiny_policy
+
+    return model_spec(tiny_policy(0))
+
+
+def test_a_learner_takes_only_formats_it_can_verify():
+    build = llamacpp_build()
+    assert declared_weights({}, build, False, True) == "f16"  # an older worker declares nothing: 16-bit
+    assert declared_weights({"weights": "q4_0", "build": build}, build, False, True) == "q4_0"
+    assert declared_weights({"weights": "q4_0", "build": "other"}, build, False, False) == "q4_0"  # unverified run
+    for hardware, episodes, why in [
+        ({"weights": "q3_k"}, False, "unknown weight format"),
+        ({"weights": "q8_0", "build": "0.3.36-cpu-00000000"}, False, f"on build {build} only"),
+        ({"weights": "q8_0", "build": build}, True, "multi-turn"),
+    ]:
+        with pytest.raises(BadRequest, match=why):
+            declared_weights(hardware, build, episodes, True)
+    with pytest.raises(BadRequest, match="build none only"):
+        declared_weights({"weights": "q8_0", "build": build}, "", False, True)
+
+
+def draw(tiny, tmp_path, fmt: str, requests: list[GenerationRequest]) -> list[list]:
+    """Groups a worker running `fmt` draws, each alone (as a quantized worker's daemon does)."""
+    engine = make_engine("llamacpp", tmp_path / f"worker-{fmt}", 2, 32, 0, quant=fmt)
+    engine.load_policy(model_spec(tiny), wire_tensors(tiny.model, "f16"))
+    groups = generate_alone(engine.generate, requests, PARAMS)
+    engine.close()
+    return groups
+
+
+def test_the_verifier_replays_a_quantized_group_exactly_and_flags_another_format(tiny, tmp_path):
+    spec = model_spec(tiny)
+    requests = [GenerationRequest(tiny.render_prompt(p), 4, g) for g, p in enumerate(["Count to ten.", "Say hi."])]
+
+    def verifier() -> RolloutVerifier:
+        engines = QuantEngines(lambda fmt: make_engine("llamacpp", tmp_path / f"v-{fmt}", 1, 4, 0, quant=fmt),
+                               llamacpp_build())  # fmt: skip
+        v = RolloutVerifier(lambda: None, 1.0, 0.95, first=100, fraction=1.0, tolerance=0.02, draw_tolerance=0.02,
+                            quantized=QuantizedReplay(engines, spec))  # fmt: skip
+        v.remember(3, wire_tensors(tiny.model, "f16"), None)
+        return v
+
+    def rollouts(request, group) -> list[Rollout]:
+        return [Rollout(request.prompt_ids, c.tokens, c.logprobs, 0.0, version=3) for c in group]
+
+    honest = verifier()
+    for fmt in ("q8_0", "q4_0"):
+        for request, group in zip(requests, draw(tiny, tmp_path, fmt, requests), strict=True):
+            replay = honest.check("w", 3, PARAMS.seed, request.group, rollouts(request, group), quantized=(fmt, PARAMS))
+            assert (replay.divergence, replay.draw_miss, replay.off_draw) == (0.0, 0.0, 0.0)
+    assert not honest.flagged and honest.replays == 4
+    assert honest.check("w", 9, 1, 0, rollouts(requests[0], group), quantized=("q8_0", PARAMS)) is None  # not kept
+    honest.quantized.close()
+
+    for runs, claims in [("q4_0", "q8_0"), ("f16", "q4_k_m"), ("q8_0", "f16-seed")]:
+        liar = verifier()
+        groups = draw(tiny, tmp_path, runs, requests)
+        seed = PARAMS.seed + 1 if claims == "f16-seed" else PARAMS.seed  # another seed's text, its own logprobs
+        fmt = "q8_0" if claims == "f16-seed" else claims
+        for request, group in zip(requests, groups, strict=True):
+            liar.check("liar", 3, seed, request.group, rollouts(request, group),
+                       quantized=(fmt, SamplingParams(1.0, 0.95, 16, seed)))  # fmt: skip
+        assert "liar" in liar.flagged, (runs, claims)
+        assert f"v3 {fmt}" in liar.flagged["liar"]
+        liar.quantized.close()
+
+
+def test_worker_quant_flags_are_checked_in_one_line(tmp_path):
+    res = run_cli("worker", "join", "--learner", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooW", "--quant", "q3_k")
+    assert res.returncode == 2 and "worker.quant" in res.stderr and "q4_k_m" in res.stderr
+    res = run_cli("worker", "join", "--learner", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooW", "--quant", "q8_0",
+                  "--engine", "transformers")  # fmt: skip
+    assert res.returncode == 2 and "needs --engine llamacpp" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def forger(swarm, tmp_path, mode: str) -> subprocess.Popen:
+    log = open(tmp_path / "forger.log", "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.forging_worker", mode, "--learner", swarm.addr,
+         "--identity", str(tmp_path / "forger.key"), "--work-dir", str(tmp_path / "forger")],
+        stdout=log, stderr=log, cwd=ROOT,
+    )  # fmt: skip
+    swarm.procs.append(proc)
+    return proc
+
+
+def test_an_f16_and_a_q8_0_worker_train_together_and_one_lying_about_its_format_is_flagged(swarm, tmp_path):
+    learner = swarm.learner("--steps", "4", "--verify-first", "1000")
+    swarm.worker("f16", "--max-groups", "1")
+    swarm.worker("q8", "--quant", "q8_0", "--max-groups", "1")
+    forger(swarm, tmp_path, "format")  # declares q8_0, runs q4_0
+    assert swarm.wait(learner, 300) == 0, swarm.log("learner")[-3000:]
+    workers = swarm.metrics()[-1]["workers"]
+    by_weights = {row["weights"]: row for row in workers.values() if row["groups_accepted"]}
+    assert set(by_weights) == {"f16", "q8_0"}, workers  # both honest workers' groups trained on
+    flagged = [line for line in swarm.log("learner").splitlines() if " flagged: " in line]
+    assert [peer_tail(tmp_path / "forger.key")] == sorted({line.split("worker ")[1][:8] for line in flagged}), flagged
+    assert "from v" in flagged[0] and "q8_0" in flagged[0], flagged
+
+
+def peer_tail(key_file) -> str:
+    from p2p.identity import load_identity, peer_id_of
+
+    return peer_id_of(load_identity(key_file))[-8:]
+
+
+def test_a_quantized_worker_of_another_build_is_refused_at_join(swarm, tmp_path):
+    learner = swarm.learner("--steps", "1")
+    worker = forger(swarm, tmp_path, "build")  # a q8_0 worker whose llama.cpp build is not the learner's
+    assert worker.wait(120) == 2, (tmp_path / "forger.log").read_text()[-2000:]
+    lines = [ln for ln in (tmp_path / "forger.log").read_text().splitlines() if "--quant" in ln]
+    assert lines and "join with --quant f16" in lines[-1] and "Traceback" not in (tmp_path / "forger.log").read_text()
+    assert learner.poll() is None
