@@ -164,7 +164,9 @@ def verification_line(doc: dict) -> str:
         line += f", divergence median {v['divergence_median']:.4f} max {v['divergence_max']:.4f} nats/token"
     if v.get("draw_miss_max") is not None:
         line += f", draw miss max {v['draw_miss_max']:.4f}"
-    line += f" (tolerance {v['tolerance']}), {len(v['flagged'])} workers flagged"
+    exact = any(p.get("weights", "f16") != "f16" for p in doc.get("peers", []))  # quantized: replayed exactly
+    tolerance = f"{v['tolerance']}; quantized workers: 0" if exact else v["tolerance"]
+    line += f" (tolerance {tolerance}), {len(v['flagged'])} workers flagged"
     banned = doc.get("banned", [])
     return line + (f", {len(banned)} peers banned" if banned else "")
 

@@ -53,6 +53,7 @@ class LocalSwarm:
     def __init__(
         self, learner_args: list[str], run_dir: Path, workers: int = 2, worker_threads: int = 1,
         engine: str = "llamacpp", worker_args: tuple[str, ...] = (), learner_log: Path | None = None,
+        weights: tuple[str, ...] = (),
     ) -> None:  # fmt: skip
         self.learner_args, self.run_dir, self.learner_log = learner_args, Path(run_dir), learner_log
         self.n_workers, self.worker_threads, self.engine, self.worker_args = (
@@ -61,6 +62,7 @@ class LocalSwarm:
             engine,
             worker_args,
         )
+        self.weights = weights  # worker k's weight format (`worker join --quant`): weights[k % len], or f16
         self.learner: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
 
@@ -86,6 +88,7 @@ class LocalSwarm:
             cmd = ECHO + ["worker", "join", "--learner", addr, "--threads", str(self.worker_threads)]
             cmd += ["--engine", self.engine, "--identity", str(self.run_dir / f"worker-{k}.key")]
             cmd += ["--work-dir", str(self.run_dir / f"worker-{k}"), *self.worker_args]
+            cmd += ["--quant", self.weights[(k - 1) % len(self.weights)]] if self.weights else []
             env = {**os.environ, "COLUMNS": "120"}
             self.workers.append(subprocess.Popen(cmd, stdout=worker_log, stderr=worker_log, env=env))
         return self

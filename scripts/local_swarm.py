@@ -41,6 +41,7 @@ def main() -> int:
     parser.add_argument(
         "--worker-arg", action="append", default=[], help="one more `worker join` flag, e.g. --worker-arg=--no-overlap"
     )
+    parser.add_argument("--quant", default="", help="workers' weight formats, cycled: f16,q4_0 (1: F16, 2: q4_0)")
     parser.add_argument("learner_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     learner_args = [a for a in args.learner_args if a != "--"]
@@ -48,7 +49,8 @@ def main() -> int:
     if run_dir is None:
         sys.exit("local_swarm.py: pass --run-dir RUN_DIR to the learner (after --)")
     swarm = LocalSwarm(
-        learner_args, run_dir, args.workers, args.worker_threads, args.engine, tuple(args.worker_arg)
+        learner_args, run_dir, args.workers, args.worker_threads, args.engine, tuple(args.worker_arg),
+        weights=tuple(q for q in args.quant.split(",") if q),
     )  # the learner's output stays on this terminal
     try:
         swarm.start()

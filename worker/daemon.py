@@ -131,7 +131,7 @@ class WorkerDaemon:
             cfg.engine, work_dir / "engine", cfg.threads, cfg.max_batch, cfg.gpu_layers, cfg.device, cfg.quant
         )
         self.hardware |= self.engine.backend()  # cpu, or the GPU backend, GPU name and memory
-        log.info("engine %s on %s", cfg.engine, describe_hardware(self.hardware))
+        log.info("engine: %s", describe_hardware(self.hardware))
         backoff = 1.0
         try:
             while not self.stop.is_set():

@@ -1,10 +1,11 @@
-"""Quantized GGUFs made by llama.cpp's own quantizer from a version's F16 GGUF, and their weights read back.
+"""Quantized GGUFs made by llama.cpp's own quantizer from a version's F16 GGUF, their weights read back, and the
+llama.cpp build a quantized worker declares.
 
 The quantizer is llama.cpp's (llama_model_quantize: which tensor gets which type is its rule, e.g. Q4_K_M
-keeps some tensors at Q6_K and Q5_0); gguf-py's reference dequantizers read the blocks back, so a replay
-can run the very weights a quantized worker ran. Measured on SmolLM2 (docs/security.md): that is not enough
-for an exact replay, because llama.cpp's quantized decoding itself depends on how many sequences share a
-decode batch."""
+keeps some tensors at Q6_K and Q5_0); gguf-py's reference dequantizers read the blocks back. A float replay of
+those weights is not exact (SmolLM2, docs/security.md: llama.cpp's quantized decoding depends on the decode
+batch's layout and on the build's kernels); llama.cpp on the same build, fed a group back in the wave it was
+drawn in, is (worker.sampling.replay_wave): that is how the learner verifies `worker join --quant`."""
 
 from __future__ import annotations
 

@@ -111,6 +111,7 @@ class LearnerService:
             timeout = swarm.lease_timeout * max(1.0, work)
             self.evals = self.intake.evals = EvalBoard(evaluator, verifier, timeout, self.workers)
         self.gathered = cfg.swarm.min_workers <= 1  # swarm.min_workers hold a version: leases may start
+        self.told_eval = False  # that held-out evaluation skips quantized workers, said once
         self.declined: dict[str, int] = {}  # lease requests not granted, by admission's reason
         self.step_started: float | None = None  # when the step under way began (None: waiting for a batch)
         self._bcast_seen = -1  # newest version whose broadcast time the scheduler has seen
@@ -246,8 +247,11 @@ class LearnerService:
         if not self._gather():
             self._decline("gathering")
             return LeaseReply(wait=0.5, newest=versions.published).to_wire()
-        quantized = worker.weights != "f16"  # held-out evaluation is verified on torch: 16-bit workers only
+        quantized = worker.weights != "f16"  # held-out figures are the policy's (echo-rl eval's): 16-bit workers only
         evaluation = self.evals.offer(peer, request.version) if self.evals is not None and not quantized else None
+        if quantized and self.evals is not None and self.evals.pending and not self.told_eval:
+            self.told_eval = True
+            log.info("held-out evaluation goes to 16-bit workers only: %s runs %s", peer[-8:], worker.weights)
         if evaluation is not None:  # held-out evaluation first: any worker holding the version may do it
             return LeaseReply(evaluation).to_wire()
         # leases of workers that have not (lately) returned one are extras, at most a batch (orchestrate.leases)
