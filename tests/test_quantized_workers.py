@@ -85,7 +85,11 @@ def test_the_verifier_replays_a_quantized_group_exactly_and_flags_another_format
             replay = honest.check("w", 3, PARAMS.seed, request.group, rollouts(request, group), quantized=(fmt, PARAMS))
             assert (replay.divergence, replay.draw_miss, replay.off_draw) == (0.0, 0.0, 0.0)
     assert not honest.flagged and honest.replays == 4
+    assert honest.held_gib() * 2**30 > honest.quantized.held_bytes() > 0  # both quantized models counted
     assert honest.check("w", 9, 1, 0, rollouts(requests[0], group), quantized=("q8_0", PARAMS)) is None  # not kept
+    five = rollouts(requests[0], group + group[:1])  # more completions than a group of G = 4: never honest
+    odd = honest.check("odd", 3, PARAMS.seed, 0, five, quantized=("q4_0", PARAMS))
+    assert odd.refused and honest.flagged == {"odd": f"a group no honest worker sends ({odd.refused})"}
     honest.quantized.close()
 
     for runs, claims in [("q4_0", "q8_0"), ("f16", "q4_k_m"), ("q8_0", "f16-seed")]:

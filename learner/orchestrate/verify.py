@@ -105,6 +105,7 @@ class Replay:
     draw_miss: float
     off_draw: float
     logprobs: list[float] = field(default_factory=list, repr=False)
+    refused: str = ""  # why the group could not be replayed at all (no honest worker sends it): flagged
 
 
 def group_draws(seed: int, group_id: int, group: list[Rollout], first: int = 0) -> torch.Tensor:
@@ -173,11 +174,12 @@ class RolloutVerifier:
             self.pinned.discard(version)
 
     def held_gib(self) -> float:
-        """Memory held: the kept versions' wire tensors and the float32 replay model, GiB."""
+        """Memory held: the kept versions' wire tensors, the float32 replay model and quantized ones, GiB."""
         with self._lock:
             kept = sum(a.nbytes for tensors, _ in self.versions.values() for a in tensors.values())
             model = sum(p.numel() * p.element_size() for p in self._model.parameters()) if self._model else 0
-        return (kept + model) / 2**30
+        quantized = self.quantized.held_bytes() if self.quantized is not None else 0
+        return (kept + model + quantized) / 2**30
 
     def share(self, worker: str) -> float:
         """p(worker): the probability that its next group is verified (module docstring)."""
@@ -236,7 +238,9 @@ class RolloutVerifier:
             self.divergences.append(d)
             self.draw_misses.append(m)
             self.off_draws.append(o)
-            if d > tolerance:
+            if replay.refused:
+                self.flagged[worker] = f"a group no honest worker sends ({replay.refused})"
+            elif d > tolerance:
                 self.flagged[worker] = f"logprobs diverge from {on} by {d:.3g} nats/token (tolerance {tolerance})"
             elif m > draw_tolerance:
                 self.flagged[worker] = (
@@ -264,8 +268,11 @@ class RolloutVerifier:
                 tensors, base = self.versions[version]
                 base_tensors = self.versions[base][0] if base is not None else None
             tick = time.perf_counter()
-            replayed = self.quantized.replay(fmt, version, tensors, base, base_tensors, request,
-                                             [r.completion_ids for r in group], sampling)  # fmt: skip
+            try:
+                replayed = self.quantized.replay(fmt, version, tensors, base, base_tensors, request,
+                                                 [r.completion_ids for r in group], sampling)  # fmt: skip
+            except ValueError as exc:  # more completions than G, one too long, a token outside the vocabulary
+                return Replay(CAP, 1.0, 1.0, refused=str(exc))
             with self._lock:
                 self.replays += 1
                 self.replay_s += time.perf_counter() - tick

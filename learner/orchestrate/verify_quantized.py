@@ -50,6 +50,8 @@ def declared_weights(hardware: dict, quant_build: str, episodes: bool, verifying
 class WaveReplayer(Protocol):
     """What the learner needs of a worker's llama.cpp engine (worker.engines.llamacpp.LlamaCppEngine)."""
 
+    model_bytes: int  # of the model it holds
+
     def load_policy(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None: ...
 
     def load_adapters(self, spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None: ...
@@ -102,6 +104,10 @@ class QuantizedReplay:
                 engine.load_policy(self.spec, tensors)
         self.engines[fmt] = (engine, version, version if base is None else base)  # a full version is its own base
         return engine.replay(request, completions, params)
+
+    def held_bytes(self) -> int:
+        """Bytes of the quantized models the engines hold (llama.cpp maps each file whole)."""
+        return sum(engine.model_bytes for engine, _, _ in self.engines.values())
 
     def close(self) -> None:
         for engine, _, _ in self.engines.values():

@@ -250,6 +250,11 @@ class LlamaCppEngine:
             raise RuntimeError(f"llama.cpp could not load {path}: is it a valid GGUF of a llama model?")
         return model
 
+    @property
+    def model_bytes(self) -> int:
+        """Bytes of the loaded model's tensors (what its file maps into memory)."""
+        return int(llama_cpp.llama_model_size(self.model)) if self.model is not None else 0
+
     def unsupported(self, spec: ModelSpec) -> str | None:
         """Why this engine cannot run `spec`'s model: one worker.gguf_writer cannot write."""
         if reason := unsupported_by_writer(spec):
