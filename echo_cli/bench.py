@@ -120,7 +120,8 @@ def run_engines_bench(
     in one process: llama.cpp on the CPU and offloaded to its GPU backend, transformers on CPU and CUDA.
     An engine this machine cannot run (no GPU backend, no CUDA) is reported as such, not measured.
     `quants` (worker.quantize formats): each llama.cpp engine again on llama.cpp's quantization of the
-    weights, with the seconds to quantize and the GGUF's bytes (what the weights take in memory)."""
+    weights, with the seconds to quantize and the GGUF's bytes (what the weights take in memory). Each
+    llama.cpp row also draws every group alone (`alone_tokens_per_s`), as a quantized worker does."""
     import torch
 
     from learner.tasks import make_task
@@ -131,6 +132,7 @@ def run_engines_bench(
     from worker.engines import make_engine
     from worker.engines.llamacpp import gpu_backend
     from worker.quantize import quantize_gguf
+    from worker.sampling import generate_alone
 
     unknown = [n for n in names if n not in ENGINES]
     if unknown:
@@ -163,6 +165,10 @@ def run_engines_bench(
             groups = engine.generate(requests, params)
             seconds = time.perf_counter() - t
             tokens = sum(len(c.tokens) for g in groups for c in g)
+            if fmt is not None:  # each group in a wave of its own: how a quantized worker draws (exact replay)
+                t = time.perf_counter()
+                alone = sum(len(c.tokens) for g in generate_alone(engine.generate, requests, params) for c in g)
+                row["alone_tokens_per_s"] = round(alone / (time.perf_counter() - t), 1)
             results.append({**row, "tokens": tokens, "seconds": round(seconds, 3),
                             "tokens_per_s": round(tokens / seconds, 1), "backend": engine.backend()})  # fmt: skip
         if hasattr(engine, "close"):
@@ -171,15 +177,17 @@ def run_engines_bench(
         print(json.dumps(results))
         return results
     table = Table(title=f"worker engines, {model}, {prompts} prompts x {group_size}, <= {max_new_tokens} tokens")
-    for col in ("engine", "runs on", "completion tokens", "seconds", "tokens/s", "weights MiB"):
+    for col in ("engine", "runs on", "completion tokens", "seconds", "tokens/s", "alone tok/s", "weights MiB"):
         table.add_column(col, justify="left" if col in ("engine", "runs on") else "right")
     for r in results:
         if r["tokens_per_s"] is None:
-            table.add_row(r["engine"], r["note"], "-", "-", "-", "-")
+            table.add_row(r["engine"], r["note"], "-", "-", "-", "-", "-")
         else:
             where = " ".join(str(v) for k, v in r["backend"].items() if k in ("backend", "gpu"))
             size = f"{r['gguf_bytes'] / 2**20:.0f}" if "gguf_bytes" in r else "-"
-            table.add_row(r["engine"], where, str(r["tokens"]), f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.1f}", size)
+            alone = f"{r['alone_tokens_per_s']:.1f}" if "alone_tokens_per_s" in r else "-"
+            table.add_row(r["engine"], where, str(r["tokens"]), f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.1f}",
+                          alone, size)  # fmt: skip
     Console().print(table)
     return results
 

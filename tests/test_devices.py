@@ -163,12 +163,14 @@ def test_heartbeat_carries_the_backend_and_status_shows_it():
 def test_bench_engines_measures_what_this_machine_has():
     res = run_cli(
         "bench", "engines", "--model", "tiny", "--engines", "llamacpp-cpu,transformers-cpu,llamacpp-gpu",
-        "--prompts", "2", "--group-size", "2", "--max-new-tokens", "4", "--json",
+        "--prompts", "2", "--group-size", "2", "--max-new-tokens", "4", "--quant", "q8_0", "--json",
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     rows = {r["engine"]: r for r in json.loads(res.stdout)}
     assert rows["llamacpp-cpu"]["tokens_per_s"] > 0 and rows["transformers-cpu"]["tokens_per_s"] > 0
-    assert rows["llamacpp-cpu"]["backend"] == {"backend": "cpu"}
+    assert rows["llamacpp-cpu"]["backend"] == {"backend": "cpu", "weights": "f16"}
+    quantized = rows["llamacpp-cpu q8_0"]  # drawn alone too, as a quantized worker does
+    assert quantized["alone_tokens_per_s"] > 0 and quantized["gguf_bytes"] < rows["llamacpp-cpu"]["gguf_bytes"]
     if not gpu_backend():
         assert rows["llamacpp-gpu"]["tokens_per_s"] is None  # reported as not available, not measured
 
