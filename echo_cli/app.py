@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 import typer
@@ -21,6 +22,9 @@ from learner.config import LearnerConfig
 from learner.serve.config import ServeRootConfig
 from p2p.config import ConfigError
 from worker.config import WorkerRootConfig
+
+if TYPE_CHECKING:  # (the swarm side loads libp2p: not for every command)
+    from learner.orchestrate.verify_quantized import QuantEngines
 
 
 class CommandsInOrder(TyperGroup):
@@ -110,23 +114,24 @@ def llamacpp_probe(cfg: LearnerConfig) -> object:
     return probe
 
 
-def quant_engines(cfg: LearnerConfig) -> object:
+def quant_engines(cfg: LearnerConfig) -> QuantEngines | None:
     """llama.cpp engines on the learner's machine that replay quantized workers (`worker join --quant`) exactly,
-    on this machine's llama.cpp build (learner.orchestrate.verify_quantized); None where llama-cpp-python is
-    not installed: quantized workers are then refused at join."""
+    on this machine's llama.cpp build, on its CPU (learner.orchestrate.verify_quantized); None where
+    llama-cpp-python is not installed: quantized workers are then refused at join."""
     import importlib.util
 
     if importlib.util.find_spec("llama_cpp") is None:
         return None
     from learner.orchestrate.verify_quantized import QuantEngines
     from worker.engines import make_engine
+    from worker.gguf_writer import unsupported_by_writer
     from worker.quantize import llamacpp_build
 
-    def make(fmt: str) -> object:  # a group is one wave of G sequences
+    def make(fmt: str) -> Any:  # a group is one wave of G sequences
         return make_engine("llamacpp", Path(cfg.run.run_dir) / f"verify-{fmt}", cfg.sampler.threads,
                            cfg.grpo.group_size, gpu_layers=0, quant=fmt)  # fmt: skip
 
-    return QuantEngines(make, llamacpp_build())
+    return QuantEngines(make, llamacpp_build(), unsupported_by_writer)
 
 
 @worker_app.command("join")

@@ -84,10 +84,10 @@ class SwarmSide:
         self.service.mark_published(version, manifest.payload_size)
 
     def close(self) -> None:
-        if self.verifier.quantized is not None:
-            self.verifier.quantized.close()
         self.seeder.close()  # stops the host that dials announced addresses back
         self.host.stop()
+        if self.verifier.quantized is not None:  # after the host: no handler replays on them any more
+            self.verifier.close_quantized()
         self.journal.close()
         if self.service.intake.hosting is not None:  # a hosted environment's open episodes
             self.service.intake.hosting.close()
@@ -151,6 +151,7 @@ def start_swarm(
         resumed = read_journal(run.run_dir, run.start_step) if resume else JournalState()
         journal = RolloutJournal(run.run_dir, staleness=0 if swarm.sync_mode == "pull" else swarm.staleness)
         journal.open(run.start_step, resumed)
+        spec = model_spec(policy)  # (llama.cpp's quantized replay needs a family it runs)
         verifier = RolloutVerifier(
             lambda: AutoModelForCausalLM.from_config(copy.deepcopy(policy.model.config)),
             cfg.sampler.temperature, cfg.sampler.top_p, swarm.verify_first, swarm.verify_fraction,
@@ -158,10 +159,10 @@ def start_swarm(
             lora_scale=cfg.model.lora_alpha / max(cfg.model.lora_rank, 1),
             keep=swarm.staleness + swarm.publish_every + 1, device=run.world.device,
             off_draw_tolerance=swarm.verify_off_draw,
-            quantized=QuantizedReplay(quant, model_spec(policy)) if quant is not None else None,
+            quantized=QuantizedReplay(quant, spec) if quant is not None and not quant.unsupported(spec) else None,
         )  # fmt: skip
         service = LearnerService(
-            seeder, cfg, policy, run.task, model_spec(policy), publisher.run_id, journal, verifier, resumed
+            seeder, cfg, policy, run.task, spec, publisher.run_id, journal, verifier, resumed
         )
         if service.intake.hosting is not None:  # --env-host learner: workers ask it for every observation
             host.handle(ENV_STEP, service.intake.hosting.step, STEP_CONCURRENCY, limits=env_step_limits(cfg))

@@ -20,7 +20,7 @@ def tiny():
 # instead of one long file running alone at the end.
 LONG_FILES = (
     "test_distributed.py", "test_families.py", "chaos/test_kills.py", "chaos/test_nat.py", "test_env_swarm.py",
-    "test_hosted.py", "chaos/test_open_swarm.py", "test_report.py",
+    "test_hosted.py", "chaos/test_open_swarm.py", "test_report.py", "test_quantized_workers.py",
 )  # fmt: skip
 
 

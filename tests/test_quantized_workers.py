@@ -16,6 +16,7 @@ from p2p.host import BadRequest
 from p2p.messages import WEIGHT_FORMATS, GenerationRequest, Heartbeat, SamplingParams, SpecReply, describe_hardware
 from tests.conftest import ROOT, run_cli
 from worker.engines import make_engine
+from worker.gguf_writer import unsupported_by_writer
 from worker.quantize import QUANT_TYPES, llamacpp_build
 from worker.sampling import generate_alone
 
@@ -70,7 +71,7 @@ def test_the_verifier_replays_a_quantized_group_exactly_and_flags_another_format
 
     def verifier() -> RolloutVerifier:
         engines = QuantEngines(lambda fmt: make_engine("llamacpp", tmp_path / f"v-{fmt}", 1, 4, 0, quant=fmt),
-                               llamacpp_build())  # fmt: skip
+                               llamacpp_build(), unsupported_by_writer)  # fmt: skip
         v = RolloutVerifier(lambda: None, 1.0, 0.95, first=100, fraction=1.0, tolerance=0.02, draw_tolerance=0.02,
                             quantized=QuantizedReplay(engines, spec))  # fmt: skip
         v.remember(3, wire_tensors(tiny.model, "f16"), None)
@@ -125,8 +126,12 @@ def forger(swarm, tmp_path, mode: str) -> subprocess.Popen:
     return proc
 
 
-def test_an_f16_and_a_q8_0_worker_train_together_and_one_lying_about_its_format_is_flagged(swarm, tmp_path):
-    learner = swarm.learner("--steps", "4", "--verify-first", "1000")
+@pytest.mark.parametrize("weights", ["full", "lora"])
+def test_an_f16_and_a_q8_0_worker_train_together_and_one_lying_about_its_format_is_flagged(swarm, tmp_path, weights):
+    """Versions change every step, so the learner's quantized engine moves between versions too: whole models
+    quantized anew, or (LoRA) adapters hot-swapped onto the quantized base it holds, as the worker's."""
+    lora = ["--lora-rank", "4"] if weights == "lora" else []
+    learner = swarm.learner("--steps", "4", "--verify-first", "1000", *lora)
     swarm.worker("f16", "--max-groups", "1")
     swarm.worker("q8", "--quant", "q8_0", "--max-groups", "1")
     forger(swarm, tmp_path, "format")  # declares q8_0, runs q4_0

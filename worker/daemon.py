@@ -246,8 +246,9 @@ class WorkerDaemon:
                               "with --quant f16")  # fmt: skip
         if reply.quant_build != build:
             theirs = f"on llama.cpp build {reply.quant_build}" if reply.quant_build else "on no llama.cpp build"
+            fix = "--gpu-layers 0 (it replays on its CPU)" if "-gpu-" in str(build) else "its llama-cpp-python build"
             raise ConfigError(f"--quant {quant}: the learner verifies quantized workers {theirs}, this worker "
-                              f"runs {build}: join with --quant f16, or with the learner's llama-cpp-python build")
+                              f"runs {build}: join with --quant f16, or with {fix}")  # fmt: skip
 
     def _join_swarm(self) -> None:
         """Register with the learner's peer list. Peer discovery never holds up work: the listed peers are

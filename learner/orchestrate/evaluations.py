@@ -295,7 +295,8 @@ class EvalBoard:
         if r.taking or (r.leases and len(r.answers) < self.evaluators):
             return None
         if r.answers and len(r.answers) < self.evaluators and now - r.first_answer_at <= self.timeout_s:
-            others = {peer for peer, w in list(self.workers.items()) if w.version <= r.version} - r.workers()
+            others = {peer for peer, w in list(self.workers.items())
+                      if w.version <= r.version and w.weights == "f16"} - r.workers()  # quantized: never leased
             if others:  # a second evaluator can still come: a worker that holds x, or will once it fetches it
                 return None
         figure = None

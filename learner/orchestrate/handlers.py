@@ -94,8 +94,8 @@ class LearnerService:
         self.env_wire = None if episodes is None else {"spec": episodes.spec.to_wire(), "chat": episodes.chat.to_wire()}
         # the llama.cpp build quantized workers must share for the verifier's exact replay (verify_quantized)
         self.quant_build = verifier.quantized.build if verifier.quantized is not None else ""
-        self.spec_reply = SpecReply(run_id, spec, cfg.grpo.group_size, self.env_wire,
-                                    quant_build=self.quant_build).to_wire()  # vocabulary zstd once; fmt: skip
+        self.spec_reply = SpecReply(run_id, spec, cfg.grpo.group_size, self.env_wire,  # (its vocabulary zstd once)
+                                    quant_build=self.quant_build).to_wire()  # fmt: skip
         device = model_device(policy.model)
         self.device = f"{describe_device(device)}, {cfg.model.precision}" + (
             ", gradient checkpointing" if cfg.model.grad_checkpointing else "")  # fmt: skip
@@ -243,15 +243,16 @@ class LearnerService:
         worker = self._worker(peer)
         with self._lock:
             worker.version = max(worker.version, request.version)
+            weights = worker.weights  # the format this lease is bound to (its last heartbeat's)
         versions, now = self.versions, time.monotonic()
         if not self._gather():
             self._decline("gathering")
             return LeaseReply(wait=0.5, newest=versions.published).to_wire()
-        quantized = worker.weights != "f16"  # held-out figures are the policy's (echo-rl eval's): 16-bit workers only
+        quantized = weights != "f16"  # held-out figures are the policy's (echo-rl eval's): 16-bit workers only
         evaluation = self.evals.offer(peer, request.version) if self.evals is not None and not quantized else None
         if quantized and self.evals is not None and self.evals.pending and not self.told_eval:
             self.told_eval = True
-            log.info("held-out evaluation goes to 16-bit workers only: %s runs %s", peer[-8:], worker.weights)
+            log.info("held-out evaluation goes to 16-bit workers only: %s runs %s", peer[-8:], weights)
         if evaluation is not None:  # held-out evaluation first: any worker holding the version may do it
             return LeaseReply(evaluation).to_wire()
         # leases of workers that have not (lately) returned one are extras, at most a batch (orchestrate.leases)
@@ -274,7 +275,7 @@ class LearnerService:
             # behind/stale/late/newer: generate with a newer version (the worker is fetching it); full: wait
             inactive = admitted.refused == "inactive"  # it keeps polling, so it fetches and relays versions
             return LeaseReply(wait=0.5 if inactive else 0.2, newest=versions.published, inactive=inactive).to_wire()
-        lease = self.leases.issue(peer, admitted.groups, request.version, admitted.timeout_s, due_s, worker.weights)
+        lease = self.leases.issue(peer, admitted.groups, request.version, admitted.timeout_s, due_s, weights)
         self.journal.issue(lease.group_ids)
         group_size = self.cfg.grpo.group_size
         grant = LeaseGrant(

@@ -34,6 +34,10 @@ the most likely one under version x, up to the rounding noise between llama.cpp'
 
 and a worker whose g exceeds GREEDY_GAP is flagged like any other forger.
 
+A quantized worker's groups (`worker join --quant`, each drawn alone on llama.cpp) are replayed by llama.cpp on
+the same format instead (learner.orchestrate.verify_quantized), where an honest worker's d and m are exactly 0:
+its tolerances there are EXACT.
+
 Which groups: each group independently, with a probability that falls as the worker's accepted work grows,
 
     p(worker) = 1                               while fewer than `first` of its groups were verified
@@ -148,6 +152,7 @@ class RolloutVerifier:
         self._loaded = -1
         self._lock = threading.Lock()  # the tables and counters (held briefly)
         self._replaying = threading.Lock()  # the replay model (held for a whole replay)
+        self._replaying_quantized = threading.Lock()  # the quantized replay's engines (likewise)
 
     @property
     def enabled(self) -> bool:
@@ -261,16 +266,16 @@ class RolloutVerifier:
         if self.quantized is None:  # (the handlers lease to quantized workers only where it is set)
             raise RuntimeError("this learner replays no quantized weights")
         request = GenerationRequest(group[0].prompt_ids, len(group), group_id, completion=first)
-        with self._replaying:
+        with self._replaying_quantized:
             with self._lock:
                 if version not in self.versions:
                     return None
                 tensors, base = self.versions[version]
                 base_tensors = self.versions[base][0] if base is not None else None
             tick = time.perf_counter()
+            engine = self.quantized.load(fmt, version, tensors, base, base_tensors)
             try:
-                replayed = self.quantized.replay(fmt, version, tensors, base, base_tensors, request,
-                                                 [r.completion_ids for r in group], sampling)  # fmt: skip
+                replayed = engine.replay(request, [r.completion_ids for r in group], sampling)
             except ValueError as exc:  # more completions than G, one too long, a token outside the vocabulary
                 return Replay(CAP, 1.0, 1.0, refused=str(exc))
             with self._lock:
@@ -280,6 +285,11 @@ class RolloutVerifier:
         misses = torch.tensor([[x for r in replayed for x in r.misses]], dtype=torch.float64)  # [1, N]
         reported = [lp for r in group for lp in sampled_logprobs(r)]
         return Replay(divergence(reported, recomputed), draw_miss(misses), off_draw(misses), recomputed[0].tolist())
+
+    def close_quantized(self) -> None:
+        """Free the quantized replay's engines (the learner is stopping), once no replay runs on them."""
+        with self._replaying_quantized:
+            self.quantized.close()
 
     def check_greedy(self, worker: str, version: int, group: list[Rollout]) -> float | None:
         """The greedy gap g of a group's completions under `version`; flags the worker when g > GREEDY_GAP.

@@ -66,50 +66,55 @@ class WaveReplayer(Protocol):
 @dataclass(frozen=True)
 class QuantEngines:
     """What echo_cli injects where llama-cpp-python is installed: `make(fmt)` builds a llama.cpp engine that
-    quantizes what it loads to `fmt`, and `build` names the llama.cpp it runs (worker.quantize.llamacpp_build)."""
+    quantizes what it loads to `fmt`, `build` names the llama.cpp it runs (worker.quantize.llamacpp_build), and
+    `unsupported(spec)` says why llama.cpp cannot run a model (None: it can)."""
 
     make: Callable[[str], WaveReplayer]
     build: str
+    unsupported: Callable[[ModelSpec], str | None]
 
 
 class QuantizedReplay:
-    """One llama.cpp engine per weight format, each holding the newest version it replayed (not thread-safe:
-    the verifier calls it while it holds its replay lock)."""
+    """One llama.cpp engine per weight format, each holding the version it replayed last (not thread-safe: the
+    verifier calls it under a lock of its own, so that torch replays of 16-bit workers do not wait for it)."""
 
     def __init__(self, engines: QuantEngines, spec: ModelSpec) -> None:
         self.make_engine = engines.make  # weight format -> an engine that quantizes what it loads to it
         self.build = engines.build  # quantized workers must run this build
         self.spec = spec
         self.engines: dict[str, tuple[WaveReplayer, int, int | None]] = {}  # fmt -> (engine, version, base held)
+        self.sizes: dict[str, int] = {}  # fmt -> bytes of the model its engine holds (read without the lock)
 
-    def replay(
+    def load(
         self, fmt: str, version: int, tensors: Mapping[str, np.ndarray], base: int | None,
-        base_tensors: Mapping[str, np.ndarray] | None, request: GenerationRequest,
-        completions: Sequence[Sequence[int]], params: SamplingParams,
-    ) -> list:  # fmt: skip
-        """Replay one group drawn alone under `version` in `fmt` (its wire tensors; a LoRA version's adapters on
-        base version `base`, as the worker installs them). Raises ValueError for completions no honest worker
-        sends (worker.sampling.replay_wave)."""
+        base_tensors: Mapping[str, np.ndarray] | None,
+    ) -> WaveReplayer:  # fmt: skip
+        """The engine of `fmt` holding `version` (its wire tensors; a LoRA version's adapters on base version
+        `base` and its tensors, as the worker installs them: adapters onto the base it holds, else the whole
+        model quantized anew)."""
         engine, loaded, loaded_base = self.engines.get(fmt, (None, -1, None))
         if engine is None:
             engine = self.make_engine(fmt)
             self.engines[fmt] = (engine, -1, None)
         if loaded != version:
+            adapters = {n: a for n, a in tensors.items() if is_adapter(n)}
             if base is not None and base == loaded_base:  # adapters onto the base this engine holds already
-                engine.load_adapters(self.spec, {n: a for n, a in tensors.items() if is_adapter(n)})
-            elif base is not None and base_tensors is not None:
-                base_only = {n: a for n, a in base_tensors.items() if not is_adapter(n)}
-                engine.load_policy(self.spec, base_only | {n: a for n, a in tensors.items() if is_adapter(n)})
+                engine.load_adapters(self.spec, adapters)
+            elif base is not None:
+                base_only = {n: a for n, a in (base_tensors or {}).items() if not is_adapter(n)}
+                engine.load_policy(self.spec, base_only | adapters)
             else:
                 engine.load_policy(self.spec, tensors)
-        self.engines[fmt] = (engine, version, version if base is None else base)  # a full version is its own base
-        return engine.replay(request, completions, params)
+            self.engines[fmt] = (engine, version, version if base is None else base)  # a full version: its own base
+            self.sizes[fmt] = engine.model_bytes
+        return engine
 
     def held_bytes(self) -> int:
         """Bytes of the quantized models the engines hold (llama.cpp maps each file whole)."""
-        return sum(engine.model_bytes for engine, _, _ in self.engines.values())
+        return sum(list(self.sizes.values()))
 
     def close(self) -> None:
         for engine, _, _ in self.engines.values():
             engine.close()
         self.engines.clear()
+        self.sizes.clear()

@@ -5,7 +5,7 @@ waves hold the requests queued at that moment, a worker's replay pads its lease'
 Which batch a request lands in, and whether a worker or this machine draws it, depends on timing (another
 tenant's requests change both), and the last bits reach the importance-sampling loss and the adapters. So
 with a sample seed every sample a request gets back, drawn here or by a worker, has its logprobs recomputed in
-one pass over its own prompt and tokens alone (learner.orchestrate.verify.replay_sampling on a batch of one):
+one pass over its own prompt and tokens alone (learner.orchestrate.replay_torch.replay_sampling on a batch of one):
 
     logprobs = log mu(token | prompt, tokens before it)   mu = softmax(logits / T) on the top-p nucleus
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from p2p.config import ConfigError
+
 
 def make_engine(
     name: str, work_dir: str | Path, threads: int, max_batch: int, gpu_layers: int = -1, device: str = "auto",
@@ -26,7 +28,7 @@ def make_engine(
         return LlamaCppEngine(work_dir, threads=threads, max_batch=max_batch, gpu_layers=gpu_layers, quant=quant)
     if name == "transformers":
         if quant != "f16":
-            raise ValueError(f"--quant {quant} needs the llama.cpp engine: the transformers engine runs 16-bit weights")
+            raise ConfigError(f"--quant {quant} needs --engine llamacpp: the transformers engine runs 16-bit weights")
         from worker.engines.hf import TransformersEngine
 
         return TransformersEngine(threads=threads, max_batch=max_batch, device=device)
