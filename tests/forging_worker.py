@@ -1,9 +1,10 @@
 """A worker that plays its episodes honestly, then alters them before submitting (the replay tests), or one that
 lies about its weights (tests/test_quantized_workers.py):
 
-    python -m tests.forging_worker observation|reward|format|build --learner ADDR --identity KEY --work-dir DIR
+    python -m tests.forging_worker observation|reward|truncate|format|build --learner ADDR --identity KEY --work-dir DIR
 
-`observation` changes one token of an episode's first observation, `reward` claims a return one higher;
+`observation` changes one token of an episode's first observation, `reward` claims a return one higher,
+`truncate` cuts a single-turn group's first completion a token short;
 `format` declares q8_0 weights and runs q4_0 ones, `build` declares q8_0 on a llama.cpp build that is not this
 one. Everything else is the real daemon (worker.daemon.WorkerDaemon).
 """
@@ -22,6 +23,11 @@ honest_play = daemon.generate_rollouts
 def forged_play(generate, requests, params, rules=None, remote=None):
     groups = honest_play(generate, requests, params, rules, remote)
     for group in groups:
+        if FORGE == "truncate":  # its text cut a token short: a choice of where to stop, not a sample
+            c = group[0]
+            if len(c.tokens) > 1:
+                group[0] = dataclasses.replace(c, tokens=c.tokens[:-1], logprobs=c.logprobs[:-1])
+            continue
         if FORGE == "reward":
             group[0] = dataclasses.replace(group[0], reward=group[0].reward + 1.0)
             continue

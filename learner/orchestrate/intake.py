@@ -38,7 +38,7 @@ from learner.plan.admission import within_staleness
 from learner.plan.scheduler import Scheduler
 from learner.rollout_source import RolloutSource
 from learner.tasks import Problem, Task, step_seed
-from learner.train.models import Policy
+from learner.train.models import Policy, eos_ids
 from p2p.host import BadRequest, Misbehaviour
 from p2p.messages import GenerationRequest, MessageError, RolloutReply, RolloutSubmission, SamplingParams
 from p2p.wire import FrameLimits, rollout_frame_limits
@@ -104,6 +104,7 @@ class RolloutIntake:
         self.evals: EvalBoard | None = None  # held-out evaluation leases (learner.orchestrate.evaluations)
         self.tokens_accepted = 0  # sampled tokens of all accepted rollouts: mean length turns tokens/s to rollouts/s
         self.episodes = prompts.source.episodes  # a multi-turn environment's rules, or None
+        self.eos_ids = frozenset(eos_ids(prompts.policy))  # where a sampled completion ends, besides its budget
         hosted = self.episodes is not None and self.episodes.spec.hosted  # the learner steps the environment
         self.hosting = EpisodeHost(self.episodes, vocab_size, self._live_lease) if hosted else None
         self._lock = threading.Lock()
@@ -205,6 +206,9 @@ class RolloutIntake:
         except ReplayError as exc:  # an observation, ending or return the environment does not reproduce
             self.verifier.flag(peer, f"an episode does not replay: {exc}")
             self._drop_flagged(peer)
+        if why := self._unfinished(submission):  # truncated or run past its end: chosen text, not a sample
+            self.verifier.flag(peer, why)
+            self._drop_flagged(peer)
         verified = self._verify(peer, lease, submission)
         groups = [ScoredGroup(g, version, peer, rollouts) for g, rollouts in zip(lease.group_ids, scored, strict=True)]
         self.journal.accept(groups)  # on disk before the worker hears "accepted" (learner.orchestrate.journal)
@@ -238,6 +242,22 @@ class RolloutIntake:
             raise BadRequest(f"version {submission.version} is outside [{lease.min_version}, {newest}]")
         if [g.group for g in submission.groups] != lease.group_ids:
             raise Misbehaviour(f"the lease's groups are {lease.group_ids}, in that order")
+
+    def _unfinished(self, submission: RolloutSubmission) -> str | None:
+        """Why a completion did not end where sampling ends it: at its first end-of-turn token or at the token
+        budget (a replay checks each token, not where the text stops). None for a multi-turn run (its episodes
+        end as their environment replays them)."""
+        if self.episodes is not None:
+            return None
+        budget = self.cfg.sampler.max_new_tokens
+        for tokens in (c.tokens for g in submission.groups for c in g.completions):
+            if not tokens:
+                return "an empty completion"
+            if any(t in self.eos_ids for t in tokens[:-1]):
+                return "a completion runs on past its end-of-turn token"
+            if tokens[-1] not in self.eos_ids and len(tokens) < budget:
+                return f"a completion stops before its end-of-turn token and its budget of {budget} tokens"
+        return None
 
     def _verify(self, peer: str, lease: Lease, submission: RolloutSubmission) -> int:
         """Replay the sampling of the groups chosen for checking (learner.orchestrate.verify); returns how many

@@ -2,6 +2,8 @@
 (tiny model): hoard leases, and buy accepted forgeries with fresh identities. docs/security.md has the threat
 model; tests/chaos/adversary.py the attacks."""
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -11,6 +13,7 @@ from learner.orchestrate.verify import RolloutVerifier
 from p2p.host import Host
 from p2p.messages import Heartbeat, MessageError
 from tests.chaos.adversary import Adversary, hoard_leases
+from tests.conftest import ROOT
 
 
 @pytest.mark.parametrize("flush_denormal", [False, True])
@@ -98,3 +101,22 @@ def test_forged_groups_from_fresh_identities_are_never_trained_on(swarm):
         )
     finally:
         adversary.close()
+
+
+def test_text_cut_short_of_where_sampling_ends_is_flagged(swarm, tmp_path):
+    """A completion must end at its first end-of-turn token or at the budget: a worker that cuts one a token
+    short (every token of it replays exactly: the replay checks tokens, not where the text stops) is flagged,
+    and the honest worker beside it trains."""
+    learner = swarm.learner("--steps", "2")
+    log = open(tmp_path / "forger.log", "w")  # noqa: SIM115 - closed with the process
+    forger = subprocess.Popen(
+        [sys.executable, "-m", "tests.forging_worker", "truncate", "--learner", swarm.addr,
+         "--identity", str(tmp_path / "forger.key"), "--work-dir", str(tmp_path / "forger")],
+        stdout=log, stderr=log, cwd=ROOT,
+    )  # fmt: skip
+    swarm.procs.append(forger)
+    swarm.worker("honest")
+    assert swarm.wait(learner, 300) == 0, swarm.log("learner")[-3000:]
+    text = " ".join(swarm.log("learner").split())
+    assert "flagged: a completion stops before its end-of-turn token and its budget of 16 tokens" in text, text[-3000:]
+    assert any(r["groups_accepted"] for r in swarm.metrics()[-1]["workers"].values())
