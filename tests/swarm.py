@@ -55,6 +55,17 @@ class Swarm:
             "--work-dir", str(self.tmp / name), *listen, *args, within=within,
         )  # fmt: skip
 
+    def forger(self, mode: str) -> subprocess.Popen:
+        """A lying worker (tests/forging_worker.py, `mode` its lie) on loopback; its log is the `forger` log."""
+        log = open(self.tmp / "forger.log", "w")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.forging_worker", mode, "--learner", self.addr,
+             "--identity", str(self.tmp / "forger.key"), "--work-dir", str(self.tmp / "forger")],
+            stdout=log, stderr=log, cwd=ROOT,
+        )  # fmt: skip
+        self.procs.append(proc)
+        return proc
+
     def log(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text()
 

@@ -2,12 +2,10 @@
 them, and a worker that alters an observation or a return is flagged like any other forger."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import EVERY_ENV, ROOT, run_cli
+from tests.conftest import EVERY_ENV, run_cli
 
 
 @pytest.mark.parametrize("env", EVERY_ENV)
@@ -67,13 +65,7 @@ def test_a_worker_refuses_a_plugin_environment_it_was_not_allowed(swarm):
 def test_a_worker_that_alters_episodes_is_flagged(swarm, forge, tmp_path):
     learner = swarm.learner("--env", "sokoban", "--steps", "2", "--max-episode-tokens", "200", "--verify-first", "0",
                             "--verify-fraction", "0")  # fmt: skip
-    log = open(tmp_path / "forger.log", "w")  # noqa: SIM115 - closed with the process
-    forger = subprocess.Popen(
-        [sys.executable, "-m", "tests.forging_worker", forge, "--learner", swarm.addr,
-         "--identity", str(tmp_path / "forger.key"), "--work-dir", str(tmp_path / "forger")],
-        stdout=log, stderr=log, cwd=ROOT,
-    )  # fmt: skip
-    swarm.procs.append(forger)
+    swarm.forger(forge)
     honest = swarm.worker("honest")
     assert swarm.wait(learner, 300) == 0, swarm.log("learner")[-3000:]
     honest.terminate()

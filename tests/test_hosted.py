@@ -4,8 +4,6 @@ still caught (learner.orchestrate.hosting, envs.episode.HostedEpisode)."""
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -26,7 +24,7 @@ from p2p.messages import (
     RolloutSubmission,
     SamplingParams,
 )
-from tests.conftest import ROOT, run_cli
+from tests.conftest import run_cli
 from tests.test_envs import scripted
 
 NOISY = "tests.bad_envs:Noisy"
@@ -147,13 +145,7 @@ def test_a_workers_new_lease_closes_its_last_and_a_broken_environment_ends_its_e
 def test_a_hosted_environment_trains_through_a_worker_and_a_forger_is_flagged(swarm, tmp_path):
     learner = swarm.learner("--env", NOISY, "--env-host", "learner", "--steps", "2", "--max-episode-tokens", "200",
                             "--verify-first", "0", "--verify-fraction", "0")  # fmt: skip
-    log = open(tmp_path / "forger.log", "w")  # noqa: SIM115 - closed with the process
-    forger = subprocess.Popen(
-        [sys.executable, "-m", "tests.forging_worker", "observation", "--learner", swarm.addr,
-         "--identity", str(tmp_path / "forger.key"), "--work-dir", str(tmp_path / "forger")],
-        stdout=log, stderr=log, cwd=ROOT,
-    )  # fmt: skip
-    swarm.procs.append(forger)
+    swarm.forger("observation")
     honest = swarm.worker("honest")  # no --allow-env: a hosted environment's code runs on the learner only
     assert swarm.wait(learner, 300) == 0, swarm.log("learner")[-3000:]
     honest.terminate()

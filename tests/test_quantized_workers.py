@@ -2,8 +2,6 @@
 refuses a format or build it cannot verify in one line, and flags a worker that runs another format than it
 declares; in a real swarm an F16 and a q8_0 worker train side by side, neither flagged."""
 
-import subprocess
-import sys
 
 import pytest
 
@@ -14,7 +12,7 @@ from learner.train.models import model_spec
 from learner.train.wire_weights import wire_tensors
 from p2p.host import BadRequest
 from p2p.messages import WEIGHT_FORMATS, GenerationRequest, Heartbeat, SamplingParams, SpecReply, describe_hardware
-from tests.conftest import ROOT, run_cli
+from tests.conftest import run_cli
 from worker.engines import make_engine
 from worker.gguf_writer import unsupported_by_writer
 from worker.quantize import QUANT_TYPES, llamacpp_build
@@ -115,17 +113,6 @@ def test_worker_quant_flags_are_checked_in_one_line(tmp_path):
     assert "Traceback" not in res.stderr
 
 
-def forger(swarm, tmp_path, mode: str) -> subprocess.Popen:
-    log = open(tmp_path / "forger.log", "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.forging_worker", mode, "--learner", swarm.addr,
-         "--identity", str(tmp_path / "forger.key"), "--work-dir", str(tmp_path / "forger")],
-        stdout=log, stderr=log, cwd=ROOT,
-    )  # fmt: skip
-    swarm.procs.append(proc)
-    return proc
-
-
 @pytest.mark.parametrize("weights", ["full", "lora"])
 def test_an_f16_and_a_q8_0_worker_train_together_and_one_lying_about_its_format_is_flagged(swarm, tmp_path, weights):
     """Versions change every step, so the learner's quantized engine moves between versions too: whole models
@@ -134,7 +121,7 @@ def test_an_f16_and_a_q8_0_worker_train_together_and_one_lying_about_its_format_
     learner = swarm.learner("--steps", "4", "--verify-first", "1000", *lora)
     swarm.worker("f16", "--max-groups", "1")
     swarm.worker("q8", "--quant", "q8_0", "--max-groups", "1")
-    forger(swarm, tmp_path, "format")  # declares q8_0, runs q4_0
+    swarm.forger("format")  # declares q8_0, runs q4_0
     assert swarm.wait(learner, 300) == 0, swarm.log("learner")[-3000:]
     workers = swarm.metrics()[-1]["workers"]
     by_weights = {row["weights"]: row for row in workers.values() if row["groups_accepted"]}
@@ -152,8 +139,8 @@ def peer_tail(key_file) -> str:
 
 def test_a_quantized_worker_of_another_build_is_refused_at_join(swarm, tmp_path):
     learner = swarm.learner("--steps", "1")
-    worker = forger(swarm, tmp_path, "build")  # a q8_0 worker whose llama.cpp build is not the learner's
-    assert worker.wait(120) == 2, (tmp_path / "forger.log").read_text()[-2000:]
+    worker = swarm.forger("build")  # a q8_0 worker whose llama.cpp build is not the learner's
+    assert worker.wait(300) == 2, (tmp_path / "forger.log").read_text()[-2000:]
     lines = [ln for ln in (tmp_path / "forger.log").read_text().splitlines() if "--quant" in ln]
     assert lines and "join with --quant f16" in lines[-1] and "Traceback" not in (tmp_path / "forger.log").read_text()
     assert learner.poll() is None

@@ -2,8 +2,6 @@
 (tiny model): hoard leases, and buy accepted forgeries with fresh identities. docs/security.md has the threat
 model; tests/chaos/adversary.py the attacks."""
 
-import subprocess
-import sys
 import threading
 import time
 
@@ -13,7 +11,6 @@ from learner.orchestrate.verify import RolloutVerifier
 from p2p.host import Host
 from p2p.messages import Heartbeat, MessageError
 from tests.chaos.adversary import Adversary, hoard_leases
-from tests.conftest import ROOT
 
 
 @pytest.mark.parametrize("flush_denormal", [False, True])
@@ -108,13 +105,7 @@ def test_text_cut_short_of_where_sampling_ends_is_flagged(swarm, tmp_path):
     short (every token of it replays exactly: the replay checks tokens, not where the text stops) is flagged,
     and the honest worker beside it trains."""
     learner = swarm.learner("--steps", "2")
-    log = open(tmp_path / "forger.log", "w")  # noqa: SIM115 - closed with the process
-    forger = subprocess.Popen(
-        [sys.executable, "-m", "tests.forging_worker", "truncate", "--learner", swarm.addr,
-         "--identity", str(tmp_path / "forger.key"), "--work-dir", str(tmp_path / "forger")],
-        stdout=log, stderr=log, cwd=ROOT,
-    )  # fmt: skip
-    swarm.procs.append(forger)
+    swarm.forger("truncate")
     swarm.worker("honest")
     assert swarm.wait(learner, 300) == 0, swarm.log("learner")[-3000:]
     text = " ".join(swarm.log("learner").split())
