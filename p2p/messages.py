@@ -487,6 +487,8 @@ class SpecReply:
     protocol: int = PROTOCOL  # the learner's (1: a learner before versioning, whose spec is a llama's)
     adapter_slots: int = 1  # > 1: each lease names the LoRA version it needs, of up to this many held at once
     quant_build: str = ""  # the llama.cpp build on which the learner replays quantized workers ("": it does not)
+    weights_bytes: dict[str, int] = field(default_factory=dict)  # a worker's weights per format (estimated)
+    kv_bytes: int = 0  # one sequence's F16 KV cache (a prompt and the token budget): `worker join --quant auto`
 
     def to_wire(self) -> dict:
         spec = self.spec.to_dict()
@@ -495,7 +497,8 @@ class SpecReply:
         out = {"run_id": self.run_id, "spec": spec, "group_size": self.group_size, "protocol": self.protocol}
         slots = {"adapter_slots": self.adapter_slots} if self.adapter_slots != 1 else {}
         quant = {"quant_build": self.quant_build} if self.quant_build else {}
-        return out | slots | quant | ({"env": self.env} if self.env is not None else {})
+        sizes = {"weights_bytes": self.weights_bytes, "kv_bytes": self.kv_bytes} if self.weights_bytes else {}
+        return out | slots | quant | sizes | ({"env": self.env} if self.env is not None else {})
 
     @classmethod
     def from_wire(cls, msg: dict) -> SpecReply:
@@ -519,7 +522,12 @@ class SpecReply:
         quant_build = msg.get("quant_build", "")
         if not isinstance(quant_build, str) or len(quant_build) > 32 or not quant_build.isprintable():
             raise MessageError("'quant_build' must be a printable string of at most 32 characters")
-        return cls(run_id, spec, _int(msg, "group_size", 1, 1 << 16), env, protocol, slots, quant_build)
+        sizes = msg.get("weights_bytes", {})
+        if not isinstance(sizes, dict) or not set(sizes) <= set(WEIGHT_FORMATS):
+            raise MessageError(f"'weights_bytes' must map weight formats ({', '.join(WEIGHT_FORMATS)}) to sizes")
+        sizes = {fmt: _int(sizes, fmt, 1, 1 << 50) for fmt in sizes}
+        return cls(run_id, spec, _int(msg, "group_size", 1, 1 << 16), env, protocol, slots, quant_build, sizes,
+                   _int(msg, "kv_bytes", 0, 1 << 40, 0))  # fmt: skip
 
 
 def _vocab(packed: object) -> dict[str, list]:

@@ -467,7 +467,7 @@ def test_fit_sizes_a_family_from_its_config(tmp_path):
     assert lora["learner"]["optimizer"] < full["learner"]["optimizer"] / 10
     assert lora["learner"]["weights"] == full["learner"]["weights"] and full["device"]["fits"]
     written = LlamaCppEngine(tmp_path / "engine", threads=1)._write(model_spec(policy), wire_tensors(policy.model))
-    assert sum(int(t.n_bytes) for t in GGUFReader(written).tensors) == full["worker_file"]["F16"]  # tensor data
+    assert sum(int(t.n_bytes) for t in GGUFReader(written).tensors) == full["worker_file"]["f16"]  # tensor data
     res = run_cli("fit", "--model", str(folder), "--memory-gib", "0.001")
     assert res.returncode == 1 and "does not fit" in res.stdout and "--lora-rank" in res.stdout
     res = run_cli("fit", "--model", str(tmp_path / "missing"))

@@ -26,7 +26,10 @@ class WorkerConfig:
     max_batch: int = 32
     """Sequences decoded together."""
     quant: str = "f16"
-    """llama.cpp: weight format, f16, q8_0, q4_0 or q4_k_m (made here from each 16-bit version; README)."""
+    """llama.cpp: weight format, f16, q8_0, q4_0 or q4_k_m (made here from each 16-bit version; README), or
+    auto: the largest that fits --memory-gib and that the learner can verify."""
+    memory_gib: float = 0.0
+    """--quant auto: memory for weights and KV cache, GiB (0: the GPU's when offloading, else free RAM)."""
     gpu_layers: int = -1
     """llama.cpp: layers offloaded to the GPU (-1: all when llama.cpp was built with a GPU backend, else 0)."""
     device: str = "auto"
@@ -71,8 +74,9 @@ class WorkerConfig:
         require(self.threads >= 1, "worker.threads", "must be >= 1")
         require(self.max_batch >= 1, "worker.max_batch", "must be >= 1")
         require(self.max_groups >= 1, "worker.max_groups", "must be >= 1")
-        require(self.quant in WEIGHT_FORMATS, "worker.quant",
-                f"must be one of {', '.join(WEIGHT_FORMATS)}, got {self.quant!r}")  # fmt: skip
+        require(self.quant in (*WEIGHT_FORMATS, "auto"), "worker.quant",
+                f"must be auto or one of {', '.join(WEIGHT_FORMATS)}, got {self.quant!r}")  # fmt: skip
+        require(0 <= self.memory_gib <= 1 << 20, "worker.memory_gib", f"must be >= 0 GiB, got {self.memory_gib}")
         require(self.quant == "f16" or self.engine == "llamacpp", "worker.quant",
                 f"{self.quant} needs --engine llamacpp: the transformers engine runs 16-bit weights")  # fmt: skip
         require(self.gpu_layers >= -1, "worker.gpu_layers", f"must be >= -1 (-1: all), got {self.gpu_layers}")

@@ -127,9 +127,9 @@ class WorkerDaemon:
             log.info("store: %d versions, %d chunks kept, %d corrupt or truncated chunks deleted (fetched again)",
                      found["versions"], found["chunks"], found["corrupt"])  # fmt: skip
         self.peer = BroadcastPeer(self.host, store, cfg.learner, announce=[cfg.announce] if cfg.announce else None)
-        self.engine = make_engine(
-            cfg.engine, work_dir / "engine", cfg.threads, cfg.max_batch, cfg.gpu_layers, cfg.device, cfg.quant
-        )
+        quant = "f16" if cfg.quant == "auto" else cfg.quant  # auto: chosen at the first join (_check_weights)
+        self.engine = make_engine(cfg.engine, work_dir / "engine", cfg.threads, cfg.max_batch, cfg.gpu_layers,
+                                  cfg.device, quant)  # fmt: skip
         self.hardware |= self.engine.backend()  # cpu, or the GPU backend, GPU name and memory
         log.info("engine: %s", describe_hardware(self.hardware))
         backoff = 1.0
@@ -238,6 +238,14 @@ class WorkerDaemon:
 
     def _check_weights(self, reply: SpecReply) -> None:
         """Quantized weights only where the learner can replay them: its llama.cpp build is this worker's."""
+        if self.cfg.quant == "auto":  # the first join, before any version is loaded: auto becomes a format
+            from worker.quantize import auto_weights, memory_budget
+
+            offload = self.hardware.get("gpu_mem_mb", 0) if self.engine.gpu_layers else 0
+            budget, where = memory_budget(self.cfg.memory_gib, int(offload))
+            self.cfg.quant = self.engine.quant = auto_weights(reply, self.engine.build, self.cfg.max_batch, budget,
+                                                              where)  # fmt: skip
+            self.hardware |= self.engine.backend()
         quant, build = self.cfg.quant, self.hardware.get("build")
         if quant == "f16":
             return

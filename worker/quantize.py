@@ -10,6 +10,8 @@ drawn in, is (worker.sampling.replay_wave): that is how the learner verifies `wo
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,7 +21,7 @@ import llama_cpp
 import numpy as np
 
 from p2p.config import ConfigError
-from p2p.messages import ModelSpec
+from p2p.messages import ModelSpec, SpecReply
 from worker.gguf_writer import llamacpp_name, unpermute_from_llamacpp, unsupported_by_llama_layout
 
 QUANT_TYPES = {
@@ -28,6 +30,11 @@ QUANT_TYPES = {
     "q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M,
 }
 """Weight formats a worker's llama.cpp can run besides F16, by the name users give them."""
+LARGEST_FIRST = ("f16", "q8_0", "q4_k_m", "q4_0")  # what `--quant auto` tries, best kept weights first
+HEADROOM = 1.1  # llama.cpp's compute buffers and the worker itself, beside the weights and the KV cache
+GIB = 1 << 30
+
+log = logging.getLogger(__name__)
 
 
 def llamacpp_build(offload: str = "") -> str:
@@ -76,3 +83,45 @@ def dequantized_weights(path: str | Path, spec: ModelSpec, shapes: Mapping[str, 
         array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
         out[hf_name] = unpermute_from_llamacpp(hf_name, array, spec)
     return out
+
+
+def memory_budget(memory_gib: float, gpu_mem_mb: int) -> tuple[int, str]:
+    """(bytes, what they are) that `--quant auto` fits the model in: --memory-gib, else the GPU's memory when
+    layers are offloaded (`gpu_mem_mb` > 0), else this machine's available RAM (MemAvailable, else all)."""
+    if memory_gib > 0:
+        return int(memory_gib * GIB), f"--memory-gib {memory_gib:g}"
+    if gpu_mem_mb > 0:
+        return gpu_mem_mb << 20, "the GPU's memory"
+    try:
+        with open("/proc/meminfo") as meminfo:
+            kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
+        return kib << 10, "this machine's available RAM"
+    except (OSError, StopIteration, ValueError, IndexError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
+
+
+def auto_weights(reply: SpecReply, build: str, max_batch: int, budget: int, where: str) -> str:
+    """`worker join --quant auto`: the largest format (LARGEST_FIRST) whose weights and a full wave's KV cache
+    (max_batch sequences), times HEADROOM, fit `budget` bytes; quantized ones only where the learner replays
+    them (its llama.cpp build is `build`, and the run is single-turn). Sizes: the learner's (SpecReply,
+    learner.train.fit). A ConfigError saying what each format needs when none fits."""
+    if not reply.weights_bytes:
+        raise ConfigError("--quant auto: the learner does not say how large its model is (an older "
+                          "echo-rl there): choose --quant f16, q8_0, q4_k_m or q4_0 yourself")  # fmt: skip
+    need = {fmt: int(HEADROOM * (reply.weights_bytes[fmt] + max_batch * reply.kv_bytes))
+            for fmt in LARGEST_FIRST if fmt in reply.weights_bytes}  # fmt: skip
+    out = ""
+    if reply.env is not None:
+        out = "multi-turn episodes are verified on 16-bit weights only"
+    elif reply.quant_build != build:
+        out = f"the learner replays them on llama.cpp build {reply.quant_build or '(none)'}, this worker runs {build}"
+    fits = [fmt for fmt in need if need[fmt] <= budget and (fmt == "f16" or not out)]
+    sizes = ", ".join(f"{fmt} {need[fmt] / GIB:.2f}" for fmt in need)
+    if not fits:
+        why = f"; quantized formats are out ({out})" if out else ""
+        raise ConfigError(f"--quant auto: no weight format fits {where} ({budget / GIB:.2f} GiB; with a wave's "
+                          f"KV cache: {sizes} GiB){why}: join with a smaller --max-batch, or on a larger "
+                          "machine")  # fmt: skip
+    log.info("--quant auto: %s fits %s (%.2f GiB; with a wave's KV cache: %s GiB)%s", fits[0], where,
+             budget / GIB, sizes, f"; quantized formats are out: {out}" if out else "")  # fmt: skip
+    return fits[0]

@@ -30,6 +30,7 @@ from learner.plan.admission import LeaseAdmission
 from learner.plan.scheduler import Decision, Scheduler, SchedulerConfig
 from learner.tasks import Task
 from learner.train.devices import describe_device
+from learner.train.fit import worker_sizes
 from learner.train.models import Policy
 from learner.train.trainer import model_device
 from p2p.broadcast import Seeder
@@ -94,8 +95,9 @@ class LearnerService:
         self.env_wire = None if episodes is None else {"spec": episodes.spec.to_wire(), "chat": episodes.chat.to_wire()}
         # the llama.cpp build quantized workers must share for the verifier's exact replay (verify_quantized)
         self.quant_build = verifier.quantized.build if verifier.quantized is not None else ""
-        self.spec_reply = SpecReply(run_id, spec, cfg.grpo.group_size, self.env_wire,  # (its vocabulary zstd once)
-                                    quant_build=self.quant_build).to_wire()  # fmt: skip
+        sizes, kv = worker_sizes(policy.model.config, cfg.sampler.max_new_tokens, spec.gguf_recipe)  # --quant auto
+        self.spec_reply = SpecReply(run_id, spec, cfg.grpo.group_size, self.env_wire, quant_build=self.quant_build,
+                                    weights_bytes=sizes, kv_bytes=kv).to_wire()  # its vocabulary zstd once  # fmt: skip
         device = model_device(policy.model)
         self.device = f"{describe_device(device)}, {cfg.model.precision}" + (
             ", gradient checkpointing" if cfg.model.grad_checkpointing else "")  # fmt: skip

@@ -17,12 +17,18 @@ in a second. The figures follow what the learner holds (all float32, fp32 and bf
                  (staleness + publish_every + 1; LoRA: the base once and every version's adapters)
     sampler      (co-located runs) llama.cpp's F16 file 2 P, or transformers' float32 copy 4 P, and its KV cache
 
-A worker's model file: every matrix in the quantisation's blocks (gguf's GGML_QUANT_SIZES), vectors in F32;
-its KV cache in F16: 2 (keys, values) x layers x kv_heads x head_dim x 2 bytes per token of context.
+A worker's weights per format (`worker join --quant`, worker.quantize): every matrix in the format's blocks
+(gguf's GGML_QUANT_SIZES), vectors in F32, as llama.cpp's quantizer lays them out in outline: F16 and Q8_0
+all through; Q4_0 with the output matrix (the head, or the tied embedding) at Q6_K, or Q8_0 where its rows do
+not split into Q6_K's 256-blocks; Q4_K_M counted at 5.5 bits a weight (Q5_0's size: its Q4_K and Q6_K mix, or
+the Q5_0 llama.cpp falls back to on such rows), its output matrix as Q4_0's. An estimate: measured against
+llama.cpp's files in tests/test_quantized_workers.py and docs/benchmarks.md.
+Its KV cache in F16: 2 (keys, values) x layers x kv_heads x head_dim x 2 bytes per token of context.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 
 import torch
@@ -30,7 +36,7 @@ from transformers import AutoModelForCausalLM
 
 from learner.train.lora import lora_targets
 
-QUANTS = ("F16", "Q8_0", "Q6_K", "Q4_K", "Q4_0")  # a worker's file per quantisation (echo-rl writes F16 today)
+WORKER_BLOCKS = {"f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q5_0"}  # p2p.messages.WEIGHT_FORMATS
 PROMPT_TOKENS = 256  # a lease's prompt length assumed for the KV cache of a wave
 
 
@@ -48,6 +54,8 @@ class ModelShape:
     vocab: int
     kv_per_token: int  # kv_heads x head_dim x layers: K and V entries per token, each
     matrices: list[int]  # element counts of 2-D (and 3-D expert) weights as a GGUF stores them
+    output: int  # elements of the output matrix (the head, or the embedding it is tied to)
+    tied: bool  # the output matrix is the embedding
     vectors: int  # elements of 1-D weights (norms, biases)
 
 
@@ -82,6 +90,8 @@ def model_shape(config: object) -> ModelShape:
         vocab=text.vocab_size,
         kv_per_token=kv_heads * head_dim * text.num_hidden_layers,
         matrices=[p.numel() for p in params.values() if p.dim() >= 2],
+        output=head.weight.numel(),
+        tied=head.weight is model.get_input_embeddings().weight,
         vectors=sum(p.numel() for p in params.values() if p.dim() < 2),
     )
 
@@ -137,14 +147,22 @@ def kv_cache(shape: ModelShape, run: RunShape) -> int:
     return 2 * 2 * shape.kv_per_token * run.max_batch * (PROMPT_TOKENS + run.max_new_tokens)
 
 
-def gguf_sizes(shape: ModelShape) -> dict[str, int]:
-    """Bytes of a worker's model file per quantisation: matrices in its blocks, vectors in F32."""
+def worker_weights(shape: ModelShape, output_copied: bool = False) -> dict[str, int]:
+    """Bytes of a worker's weights per format (p2p.messages.WEIGHT_FORMATS; the module docstring's layout).
+    `output_copied`: the GGUF stores a tied output matrix a second time (llama.cpp's OLMo2 layout does)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+    def size(elements: int, quant: str) -> int:
+        block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[quant]]
+        return -(-elements // block) * nbytes
+
+    head = "Q6_K" if shape.hidden % 256 == 0 else "Q8_0"  # the output matrix of the 4-bit formats
     out = {}
-    for name in QUANTS:
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
-        out[name] = sum(-(-m // block) * size for m in shape.matrices) + 4 * shape.vectors
+    for fmt, quant in WORKER_BLOCKS.items():
+        body = sum(size(m, quant) for m in shape.matrices) + (size(shape.output, quant) if output_copied else 0)
+        if fmt.startswith("q4"):  # the output matrix (one of them where the embedding is separate) kept larger
+            body += size(shape.output, head) - size(shape.output, quant)
+        out[fmt] = body + 4 * shape.vectors
     return out
 
 
@@ -155,6 +173,16 @@ def fit_report(shape: ModelShape, run: RunShape) -> dict:
         "model": asdict(shape) | {"matrices": len(shape.matrices)},
         "learner": learner,
         "learner_total": sum(learner.values()),
-        "worker_file": gguf_sizes(shape),
+        "worker_file": worker_weights(shape),
         "worker_kv_cache": kv_cache(shape, run),
     }
+
+
+def worker_sizes(config: object, max_new_tokens: int, recipe: str = "") -> tuple[dict[str, int], int]:
+    """What a worker's `--quant auto` weighs (SpecReply): its weights per format, and one sequence's KV cache
+    (a prompt of PROMPT_TOKENS and the token budget). `recipe`: the model's GGUF recipe (ModelSpec.gguf_recipe,
+    learner.train.gguf_recipe), which says whether a tied output matrix is stored twice."""
+    shape = model_shape(config)
+    names = {name for name, _ in json.loads(recipe)["tensors"]} if recipe else set()
+    copied = shape.tied and {"output.weight", "token_embd.weight"} <= names
+    return worker_weights(shape, copied), kv_cache(shape, RunShape(max_batch=1, max_new_tokens=max_new_tokens))

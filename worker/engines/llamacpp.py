@@ -40,11 +40,8 @@ log = logging.getLogger(__name__)
 
 @llama_cpp.llama_log_callback
 def _route_llamacpp_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    """Send llama.cpp's own messages to our logger: errors as errors, the rest as debug.
-
-    Its warnings are debug too: the one it always prints here says our unified KV cache (all sequences
-    of a wave together) is longer than the model's context, which is intended.
-    """
+    """Send llama.cpp's own messages to our logger: errors as errors, the rest (its warnings too: the one it
+    always prints here says our unified KV cache is longer than the model's context, as intended) as debug."""
     message = text.decode("utf-8", errors="replace").rstrip()
     if message:  # ggml levels: 1 debug, 2 info, 3 warn, 4 error, 5 continuation
         log.log(logging.ERROR if level == 4 else logging.DEBUG, "llama.cpp: %s", message)
@@ -264,20 +261,23 @@ class LlamaCppEngine:
     def backend(self) -> dict[str, str | int]:
         """What this engine computes on, for the heartbeat: the GPU backend when layers are offloaded, and the
         weight format (with the build a verifier must share to replay quantized weights)."""
-        weights: dict[str, str | int] = {"weights": self.quant}
+        weights = {"weights": self.quant} | ({"build": self.build} if self.quant != "f16" else {})
+        return self._offload() | weights
+
+    def _offload(self) -> dict[str, str | int]:
         if not self.gpu_layers:
-            return {"backend": "cpu", **weights, **({"build": llamacpp_build()} if self.quant != "f16" else {})}
-        gpu = {"backend": gpu_backend().lower(), "gpu_layers": self.gpu_layers, **gpu_device()}
-        return gpu | weights | ({"build": llamacpp_build(str(gpu))} if self.quant != "f16" else {})
+            return {"backend": "cpu"}
+        return {"backend": gpu_backend().lower(), "gpu_layers": self.gpu_layers, **gpu_device()}
+
+    @property
+    def build(self) -> str:
+        """The llama.cpp build this engine decodes on, as a verifier must share it (worker.quantize)."""
+        return llamacpp_build(str(self._offload()) if self.gpu_layers else "")
 
     def close(self) -> None:
         self._free_context()
-        if self.adapter is not None:
-            llama_cpp.llama_adapter_lora_free(self.adapter)
-            self.adapter = None
-        if self.model is not None:
-            llama_cpp.llama_model_free(self.model)
-            self.model = None
+        self.discard(StagedLlama(self.model, self.adapter, set()))  # the live model and adapters
+        self.model = self.adapter = None
 
     def __del__(self) -> None:
         # a constructor that raised has nothing to free; at interpreter exit llama_cpp may be torn down already
