@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from p2p.config import check_uplink, require
+from p2p.messages import WEIGHT_FORMATS
 
 DEVICE_NAMES = re.compile(r"auto|cpu|cuda(:\d+)?")  # what --device accepts (learner.train.devices)
 
@@ -272,6 +273,8 @@ class SwarmConfig:
     """How far a token's draw may miss its inverse-CDF interval (probability mass) before the worker is flagged."""
     verify_off_draw: float = 0.05
     """Share of a group's tokens that may lie beside their draw's token (float noise) before the worker is flagged."""
+    quant_formats: str = "q8_0,q4_k_m,q4_0"
+    """Weight formats workers may run besides f16 (`worker join --quant`), comma-separated ("": 16-bit only)."""
     check_llamacpp: bool = True
     """Before serving a family llama.cpp runs through its converter, sample a few tokens with llama.cpp here and
     refuse llama.cpp workers if it departs from the learner (holds an F16 copy of the model once)."""
@@ -314,6 +317,8 @@ class SwarmConfig:
         require(self.upload_bps >= 0, "swarm.upload_bps", f"must be >= 0 (0: no cap), got {self.upload_bps}")
         check_uplink(self.uplink_mbit, "swarm.uplink_mbit")
         require(self.verify_first >= 0, "swarm.verify_first", f"must be >= 0, got {self.verify_first}")
+        bad = [f for f in self.quant_formats.split(",") if f not in WEIGHT_FORMATS[1:]] if self.quant_formats else []
+        require(not bad, "swarm.quant_formats", f"{','.join(bad)}: choose from {', '.join(WEIGHT_FORMATS[1:])}")
         require(
             0 <= self.verify_fraction <= 1, "swarm.verify_fraction", f"must be in [0, 1], got {self.verify_fraction}"
         )

@@ -2,6 +2,7 @@
 refuses a format or build it cannot verify in one line, and flags a worker that runs another format than it
 declares; in a real swarm an F16 and a q8_0 worker train side by side, neither flagged."""
 
+import re
 
 import pytest
 
@@ -108,6 +109,14 @@ def test_a_learner_takes_only_formats_it_can_verify():
             declared_weights(hardware, build, episodes, True)
     with pytest.raises(BadRequest, match="build none only"):
         declared_weights({"weights": "q8_0", "build": build}, "", False, True)
+    with pytest.raises(BadRequest, match=r"takes f16, q8_0 only \(its swarm.quant_formats\)"):  # unverified too
+        declared_weights({"weights": "q4_0", "build": build}, build, False, False, ("f16", "q8_0"))
+    from learner.config import SwarmConfig
+    from p2p.config import ConfigError
+
+    SwarmConfig(quant_formats="").validate()  # 16-bit workers only
+    with pytest.raises(ConfigError, match="swarm.quant_formats.*q3_k: choose from q8_0"):
+        SwarmConfig(quant_formats="q8_0,q3_k").validate()
 
 
 def draw(tiny, tmp_path, fmt: str, requests: list[GenerationRequest]) -> list[list]:
@@ -207,12 +216,16 @@ def peer_tail(key_file) -> str:
 
 
 def test_a_quantized_worker_of_another_build_is_refused_at_join(swarm, tmp_path):
-    learner = swarm.learner("--steps", "1")
+    """...or of a format the learner does not take, or with --quant auto where no format fits its memory."""
+    learner = swarm.learner("--steps", "1", "--quant-formats", "q8_0")
     worker = swarm.forger("build")  # a q8_0 worker whose llama.cpp build is not the learner's
     assert worker.wait(300) == 2, (tmp_path / "forger.log").read_text()[-2000:]
     lines = [ln for ln in (tmp_path / "forger.log").read_text().splitlines() if "--quant" in ln]
     assert lines and "join with --quant f16" in lines[-1] and "Traceback" not in (tmp_path / "forger.log").read_text()
-    small = swarm.worker("small", "--quant", "auto", "--memory-gib", "0.00001")  # 10 KiB: not even q4_0 fits
-    assert swarm.wait(small, 300) == 2, swarm.log("small")[-2000:]
+    small = swarm.worker("small", "--quant", "auto", "--memory-gib", "0.00001")  # 10 KiB: not even q8_0 fits
+    q4 = swarm.worker("q4", "--quant", "q4_0")
+    assert swarm.wait(small, 300) == 2 and swarm.wait(q4, 300) == 2, swarm.log("small")[-2000:] + swarm.log("q4")
     assert "--quant auto: no weight format fits --memory-gib 1e-05" in swarm.log("small"), swarm.log("small")[-2000:]
-    assert "Traceback" not in swarm.log("small") and learner.poll() is None
+    assert re.search(r"with a wave's KV cache: f16 [\d.]+ MiB, q8_0 [\d.]+ MiB\)", swarm.log("small"))  # learner's
+    assert "--quant q4_0: this learner takes f16, q8_0 workers only" in swarm.log("q4"), swarm.log("q4")[-2000:]
+    assert "Traceback" not in swarm.log("small") + swarm.log("q4") and learner.poll() is None

@@ -249,6 +249,9 @@ class WorkerDaemon:
         quant, build = self.cfg.quant, self.hardware.get("build")
         if quant == "f16":
             return
+        if reply.weights_bytes and quant not in reply.weights_bytes:  # not in the learner's swarm.quant_formats
+            raise ConfigError(f"--quant {quant}: this learner takes {', '.join(reply.weights_bytes)} workers only: "
+                              "join with one of them, or with --quant auto")  # fmt: skip
         if reply.env is not None:
             raise ConfigError(f"--quant {quant}: multi-turn episodes are verified on 16-bit weights only: join "
                               "with --quant f16")  # fmt: skip

@@ -116,12 +116,19 @@ def auto_weights(reply: SpecReply, build: str, max_batch: int, budget: int, wher
     elif reply.quant_build != build:
         out = f"the learner replays them on llama.cpp build {reply.quant_build or '(none)'}, this worker runs {build}"
     fits = [fmt for fmt in need if need[fmt] <= budget and (fmt == "f16" or not out)]
-    sizes = ", ".join(f"{fmt} {need[fmt] / GIB:.2f}" for fmt in need)
+    sizes = ", ".join(f"{fmt} {size_text(need[fmt])}" for fmt in need)
     if not fits:
         why = f"; quantized formats are out ({out})" if out else ""
-        raise ConfigError(f"--quant auto: no weight format fits {where} ({budget / GIB:.2f} GiB; with a wave's "
-                          f"KV cache: {sizes} GiB){why}: join with a smaller --max-batch, or on a larger "
-                          "machine")  # fmt: skip
-    log.info("--quant auto: %s fits %s (%.2f GiB; with a wave's KV cache: %s GiB)%s", fits[0], where,
-             budget / GIB, sizes, f"; quantized formats are out: {out}" if out else "")  # fmt: skip
+        raise ConfigError(f"--quant auto: no weight format fits {where} ({size_text(budget)}; with a wave's KV "
+                          f"cache: {sizes}){why}: join with a smaller --max-batch, or on a larger machine")  # fmt: skip
+    log.info("--quant auto: %s fits %s (%s; with a wave's KV cache: %s)%s", fits[0], where, size_text(budget),
+             sizes, f"; quantized formats are out: {out}" if out else "")  # fmt: skip
     return fits[0]
+
+
+def size_text(nbytes: float) -> str:
+    """1.23 GiB, 45.6 MiB or 7.8 KiB."""
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{nbytes / 1024:.1f} KiB"

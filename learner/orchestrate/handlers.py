@@ -66,9 +66,7 @@ class LearnerService:
     ) -> None:  # fmt: skip
         self.seeder = seeder
         self.host = host = seeder.host
-        self.cfg = cfg
-        self.spec = spec
-        self.run_id = run_id
+        self.cfg, self.spec, self.run_id = cfg, spec, run_id
         swarm, grpo = cfg.swarm, cfg.grpo
         staleness = 0 if swarm.sync_mode == "pull" else swarm.staleness
         self.buffer = ReplayBuffer(staleness, grpo.dynamic_sampling, grpo.sampling_rounds)
@@ -93,9 +91,10 @@ class LearnerService:
         self.prompts = PromptBook(task, policy, cfg.run.seed)
         episodes = self.prompts.source.episodes  # a multi-turn environment's: workers get its rules with the spec
         self.env_wire = None if episodes is None else {"spec": episodes.spec.to_wire(), "chat": episodes.chat.to_wire()}
-        # the llama.cpp build quantized workers must share for the verifier's exact replay (verify_quantized)
+        # the weight formats this learner takes, and the llama.cpp build quantized ones must share (verify_quantized)
+        self.formats = ("f16", *filter(None, swarm.quant_formats.split(",")))
         self.quant_build = verifier.quantized.build if verifier.quantized is not None else ""
-        sizes, kv = worker_sizes(policy.model.config, cfg.sampler.max_new_tokens, spec.gguf_recipe)  # --quant auto
+        sizes, kv = worker_sizes(policy.model.config, cfg.sampler.max_new_tokens, spec.gguf_recipe, self.formats)
         self.spec_reply = SpecReply(run_id, spec, cfg.grpo.group_size, self.env_wire, quant_build=self.quant_build,
                                     weights_bytes=sizes, kv_bytes=kv).to_wire()  # its vocabulary zstd once  # fmt: skip
         device = model_device(policy.model)
@@ -207,7 +206,8 @@ class LearnerService:
     def _on_heartbeat(self, peer: str, msg: dict) -> dict:
         beat = Heartbeat.from_wire(msg)  # bounded types and ranges (MessageError: a penalty)
         self.versions.check_published(beat.version)
-        weights = declared_weights(beat.hardware, self.quant_build, self.env_wire is not None, self.verifier.enabled)
+        weights = declared_weights(beat.hardware, self.quant_build, self.env_wire is not None, self.verifier.enabled,
+                                   self.formats)  # fmt: skip
         worker = self._worker(peer)
         with self._lock:
             if beat.version > worker.version:

@@ -30,13 +30,18 @@ from p2p.messages import WEIGHT_FORMATS, GenerationRequest, ModelSpec, SamplingP
 EXACT = 1e-9  # d and m of an exact replay are 0; this only absorbs a float's round trip through the wire
 
 
-def declared_weights(hardware: dict, quant_build: str, episodes: bool, verifying: bool) -> str:
-    """The weight format a heartbeat declares, refused (BadRequest, no penalty: a worker's setting) where the learner
-    cannot verify it: quantized weights need its own llama.cpp build (`quant_build`, "" none) and single-turn
-    groups (`episodes`: the run's are multi-turn). Without verification (`verifying` false) every format goes."""
+def declared_weights(
+    hardware: dict, quant_build: str, episodes: bool, verifying: bool, formats: Sequence[str] = WEIGHT_FORMATS
+) -> str:
+    """The weight format a heartbeat declares, refused (BadRequest, no penalty: a worker's setting) outside the
+    learner's `formats` (swarm.quant_formats and f16) or where it cannot verify it: quantized weights need its
+    own llama.cpp build (`quant_build`, "" none) and single-turn groups (`episodes`: the run's are multi-turn).
+    Without verification (`verifying` false) every format it takes goes."""
     weights = hardware.get("weights", "f16")
     if weights not in WEIGHT_FORMATS:
         raise BadRequest(f"unknown weight format {weights!r}: one of {', '.join(WEIGHT_FORMATS)}")
+    if weights not in formats:
+        raise BadRequest(f"{weights} weights: this learner takes {', '.join(formats)} only (its swarm.quant_formats)")
     if weights == "f16" or not verifying:
         return weights
     if episodes:

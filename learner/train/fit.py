@@ -178,11 +178,14 @@ def fit_report(shape: ModelShape, run: RunShape) -> dict:
     }
 
 
-def worker_sizes(config: object, max_new_tokens: int, recipe: str = "") -> tuple[dict[str, int], int]:
-    """What a worker's `--quant auto` weighs (SpecReply): its weights per format, and one sequence's KV cache
-    (a prompt of PROMPT_TOKENS and the token budget). `recipe`: the model's GGUF recipe (ModelSpec.gguf_recipe,
+def worker_sizes(
+    config: object, max_new_tokens: int, recipe: str = "", formats: tuple[str, ...] = tuple(WORKER_BLOCKS)
+) -> tuple[dict[str, int], int]:
+    """What a worker's `--quant auto` weighs (SpecReply): its weights in each of `formats`, and one sequence's KV
+    cache (a prompt of PROMPT_TOKENS and the token budget). `recipe`: the model's GGUF recipe (ModelSpec.gguf_recipe,
     learner.train.gguf_recipe), which says whether a tied output matrix is stored twice."""
     shape = model_shape(config)
     names = {name for name, _ in json.loads(recipe)["tensors"]} if recipe else set()
     copied = shape.tied and {"output.weight", "token_embd.weight"} <= names
-    return worker_weights(shape, copied), kv_cache(shape, RunShape(max_batch=1, max_new_tokens=max_new_tokens))
+    sizes = worker_weights(shape, copied)
+    return {fmt: sizes[fmt] for fmt in formats}, kv_cache(shape, RunShape(max_batch=1, max_new_tokens=max_new_tokens))
