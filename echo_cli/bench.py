@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -192,12 +193,17 @@ def run_engines_bench(
     return results
 
 
-def run_codec_bench(model: str, lrs: list[float], steps: int, cache_dir: str, json_out: bool) -> list[dict]:
+def run_codec_bench(
+    model: str, lrs: list[float], steps: int, cache_dir: str, json_out: bool, quants: tuple[str, ...] = ()
+) -> list[dict]:
     """Train `steps` real GRPO steps per learning rate and measure the bf16 XOR-delta of each version.
 
     Reports, per lr: bytes on the wire for the version after step 1 (vs the initial weights), after step
     `steps` (vs the version before it) and for the cumulative delta v_steps vs v_0, each as a fraction
-    of the full bf16 checkpoint, with encode and decode seconds.
+    of the full bf16 checkpoint, with encode and decode seconds. `quants` (worker.quantize formats): each
+    version also written as an F16 GGUF and quantized by llama.cpp (the seconds a quantized worker spends per
+    version, or a learner publishing that format), its tensors' bytes delta-coded against the previous
+    version's the same way (what the learner would ship per format instead of one bf16 delta).
     """
     from learner.config import GRPOConfig
     from learner.orchestrate.rollouts import score_groups
@@ -208,6 +214,21 @@ def run_codec_bench(model: str, lrs: list[float], steps: int, cache_dir: str, js
     from p2p.messages import GenerationRequest, SamplingParams
     from p2p.versions import build_version, rebuild_raw
     from worker.engines.llamacpp import LlamaCppEngine
+    from worker.gguf_writer import write_gguf
+    from worker.quantize import quantize_gguf
+
+    def quantized_version(policy, spec, version, fmt, work, base):
+        """`fmt`'s GGUF tensors as uint8 arrays, built as a version (delta against `base`) like bf16_version."""
+        import gguf
+        import numpy as np
+
+        f16 = write_gguf(work / "f16.gguf", spec, wire_tensors(policy.model, "f16"))
+        seconds = quantize_gguf(f16, work / f"{fmt}.gguf", fmt)
+        stored = gguf.GGUFReader(work / f"{fmt}.gguf").tensors
+        tensors = {t.name: np.asarray(t.data).view(np.uint8).ravel() for t in stored}
+        t = time.perf_counter()
+        pv, raw = build_version("codec-bench", version, tensors, base=base)
+        return pv, raw, seconds, time.perf_counter() - t
 
     def bf16_version(policy, version, base):
         tensors = wire_tensors(policy.model, "bf16")  # what the publisher sends with --wire-dtype bf16
@@ -227,6 +248,8 @@ def run_codec_bench(model: str, lrs: list[float], steps: int, cache_dir: str, js
         trainer = GRPOTrainer(policy.model, GRPOConfig(lr=lr, skip_equal_groups=False), temperature=1.0)
         full, raw0, full_enc, full_dec = bf16_version(policy, 0, None)
         previous = raw0
+        work = Path(engine.work_dir)
+        held = {fmt: quantized_version(policy, spec, 0, fmt, work, None)[1] for fmt in quants}  # each format's v0
         rng = random.Random(0)
         for step in range(1, steps + 1):
             send_to_sampler(engine, spec, policy.model)
@@ -239,22 +262,29 @@ def run_codec_bench(model: str, lrs: list[float], steps: int, cache_dir: str, js
             pv, raw, enc, dec = bf16_version(policy, step, (step - 1, previous))
             if step in (1, steps):
                 rows.append(_codec_row(lr, f"v{step} vs v{step - 1}", pv, len(raw), enc, dec))
+            for fmt in quants:
+                qv, held_raw, quantize_s, enc = quantized_version(policy, spec, step, fmt, work, (step - 1, held[fmt]))
+                if step in (1, steps):
+                    rows.append(_codec_row(lr, f"{fmt} v{step} vs v{step - 1}", qv, len(raw), enc, 0.0)
+                                | {"quantize_s": round(quantize_s, 3), "format_bytes": len(held_raw)})  # fmt: skip
+                held[fmt] = held_raw
             if step == steps and steps > 1:
                 cum, _, enc, dec = bf16_version(policy, step, (0, raw0))
                 rows.append(_codec_row(lr, f"v{step} vs v0", cum, len(raw), enc, dec))
             previous = raw
         engine.close()
+        shutil.rmtree(work, ignore_errors=True)
     rows.insert(0, _codec_row(None, "full snapshot", full, len(raw0), full_enc, full_dec))
     if json_out:
         print(json.dumps(rows))
         return rows
     table = Table(title=f"bf16 policy versions on the wire, {model}")
-    for col in ("lr", "payload", "bytes", "of full bf16", "encode s", "decode s"):
+    for col in ("lr", "payload", "bytes", "of full bf16", "encode s", "decode s", "quantize s"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
             f"{r['lr']:g}" if r["lr"] else "-", r["payload"], f"{r['bytes']:,}", f"{100 * r['fraction']:.2f}%",
-            f"{r['encode_s']:.2f}", f"{r['decode_s']:.2f}",
+            f"{r['encode_s']:.2f}", f"{r['decode_s']:.2f}", f"{r['quantize_s']:.2f}" if "quantize_s" in r else "-",
         )  # fmt: skip
     Console().print(table)
     return rows

@@ -206,12 +206,15 @@ def bench_codec(
     lrs: str = typer.Option("1e-6,1e-5", "--lrs", help="Comma-separated learning rates."),
     steps: int = typer.Option(10, "--steps", help="GRPO steps per learning rate."),
     cache_dir: str = typer.Option("~/.cache/echo-rl", "--cache-dir", help="Model cache."),
+    quant: str = typer.Option("", "--quant", help="Also as the learner would publish q8_0, q4_0, q4_k_m (commas)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """Bytes on the wire for bf16 XOR-delta versions after real GRPO steps, and codec seconds."""
+    """Bytes on the wire for bf16 XOR-delta versions after real GRPO steps, and codec seconds; with --quant,
+    each version also quantized by llama.cpp and delta-coded as a learner publishing that format would."""
     setup_logging()
     from echo_cli.bench import run_codec_bench
 
+    quants = quant_formats(quant)
     try:
         rates = [float(x) for x in lrs.split(",") if x.strip()]
     except ValueError:
@@ -219,6 +222,6 @@ def bench_codec(
     if not rates or steps < 1:
         raise fail("--lrs needs at least one rate and --steps must be >= 1")
     try:
-        run_codec_bench(model, rates, steps, cache_dir, json_out)
+        run_codec_bench(model, rates, steps, cache_dir, json_out, quants)
     except user_errors() as exc:
         raise fail(str(exc)) from None
