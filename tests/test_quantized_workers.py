@@ -229,3 +229,16 @@ def test_a_quantized_worker_of_another_build_is_refused_at_join(swarm, tmp_path)
     assert re.search(r"with a wave's KV cache: f16 [\d.]+ MiB, q8_0 [\d.]+ MiB\)", swarm.log("small"))  # learner's
     assert "--quant q4_0: this learner takes f16, q8_0 workers only" in swarm.log("q4"), swarm.log("q4")[-2000:]
     assert "Traceback" not in swarm.log("small") + swarm.log("q4") and learner.poll() is None
+
+
+def test_bench_codec_measures_what_a_learner_publishing_quantized_versions_would_ship():
+    import json
+
+    res = run_cli("bench", "codec", "--model", "tiny", "--lrs", "1e-3", "--steps", "2", "--quant", "q8_0", "--json")
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = {r["payload"]: r for r in json.loads(res.stdout)}
+    assert {"full snapshot", "v1 vs v0", "v2 vs v1", "q8_0 v1 vs v0", "q8_0 v2 vs v1"} <= set(rows), rows
+    quantized = rows["q8_0 v2 vs v1"]
+    assert quantized["quantize_s"] > 0 and 0 < quantized["bytes"] < quantized["format_bytes"]  # a delta of the file
+    res = run_cli("bench", "codec", "--model", "tiny", "--quant", "q3_k")
+    assert res.returncode != 0 and "--quant q3_k: choose from" in res.stderr and "Traceback" not in res.stderr
