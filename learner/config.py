@@ -291,6 +291,11 @@ class SwarmConfig:
     allow: str = ""
     """File of worker peer ids allowed to work, one per line ("": any peer that passes the secret check)."""
 
+    def weight_formats(self) -> tuple[str, ...]:
+        """The weight formats the learner takes: f16 and those in quant_formats, once each."""
+        names = dict.fromkeys(["f16", *(name.strip() for name in self.quant_formats.split(","))])
+        return tuple(name for name in names if name)
+
     def validate(self) -> None:
         require(
             self.listen.startswith("/"),
@@ -301,11 +306,8 @@ class SwarmConfig:
         require(self.publish_every >= 1, "swarm.publish_every", "must be >= 1")
         require(self.full_every >= 1, "swarm.full_every", "must be >= 1")
         require(0 < self.wire_topk <= 1, "swarm.wire_topk", f"must be in (0, 1], got {self.wire_topk}")
-        require(
-            self.chunk_kib == 0 or 4 <= self.chunk_kib <= 4096,
-            "swarm.chunk_kib",
-            f"must be 0 (by size) or 4 to 4096, got {self.chunk_kib}",
-        )
+        require(self.chunk_kib == 0 or 4 <= self.chunk_kib <= 4096, "swarm.chunk_kib",
+                f"must be 0 (by size) or 4 to 4096, got {self.chunk_kib}")  # fmt: skip
         require(self.chunk_memory_mb >= 0, "swarm.chunk_memory_mb", f"must be >= 0, got {self.chunk_memory_mb}")
         require(self.lease_timeout > 0, "swarm.lease_timeout", "must be > 0")
         require(self.groups_per_lease >= 1, "swarm.groups_per_lease", "must be >= 1")
@@ -317,8 +319,8 @@ class SwarmConfig:
         require(self.upload_bps >= 0, "swarm.upload_bps", f"must be >= 0 (0: no cap), got {self.upload_bps}")
         check_uplink(self.uplink_mbit, "swarm.uplink_mbit")
         require(self.verify_first >= 0, "swarm.verify_first", f"must be >= 0, got {self.verify_first}")
-        bad = [f for f in self.quant_formats.split(",") if f not in WEIGHT_FORMATS[1:]] if self.quant_formats else []
-        require(not bad, "swarm.quant_formats", f"{','.join(bad)}: choose from {', '.join(WEIGHT_FORMATS[1:])}")
+        bad = [repr(f) for f in self.weight_formats() if f not in WEIGHT_FORMATS]
+        require(not bad, "swarm.quant_formats", f"{', '.join(bad)}: choose from {', '.join(WEIGHT_FORMATS[1:])}")
         require(
             0 <= self.verify_fraction <= 1, "swarm.verify_fraction", f"must be in [0, 1], got {self.verify_fraction}"
         )

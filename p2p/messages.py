@@ -487,7 +487,7 @@ class SpecReply:
     protocol: int = PROTOCOL  # the learner's (1: a learner before versioning, whose spec is a llama's)
     adapter_slots: int = 1  # > 1: each lease names the LoRA version it needs, of up to this many held at once
     quant_build: str = ""  # the llama.cpp build on which the learner replays quantized workers ("": it does not)
-    weights_bytes: dict[str, int] = field(default_factory=dict)  # a worker's weights per format (estimated)
+    weights_bytes: dict[str, int] = field(default_factory=dict)  # per format the learner takes: a worker's weights
     kv_bytes: int = 0  # one sequence's F16 KV cache (a prompt and the token budget): `worker join --quant auto`
 
     def to_wire(self) -> dict:

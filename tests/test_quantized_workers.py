@@ -62,6 +62,7 @@ def test_a_worker_sizes_each_family_as_llamacpp_quantizes_it(tmp_path):
         spec = model_spec(policy)
         f16 = make_engine("llamacpp", tmp_path / f"{family}-engine", 1, 8, 0)._write(spec, wire_tensors(policy.model))
         estimate, kv = worker_sizes(policy.model.config, 16, spec.gguf_recipe)
+        assert worker_sizes(policy.model.config, 16, '{"unsupported": "x"}')[1] == kv  # llama.cpp cannot run it
         assert kv == 2 * 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * (256 + 16)
         for fmt in WEIGHT_FORMATS:
             path = f16 if fmt == "f16" else tmp_path / f"{family}.{fmt}.gguf"
@@ -74,25 +75,38 @@ def test_a_worker_sizes_each_family_as_llamacpp_quantizes_it(tmp_path):
 
 def test_quant_auto_takes_the_largest_format_that_fits_and_that_the_learner_verifies():
     from p2p.config import ConfigError
-    from worker.quantize import GIB, HEADROOM, auto_weights
+    from worker.quantize import GIB, PROCESS, auto_weights, memory_budget, worker_memory
 
     sizes = {"f16": 16 * GIB, "q8_0": 8 * GIB, "q4_k_m": 5 * GIB, "q4_0": 4 * GIB}
     reply = SpecReply("r", model_spec_of_tiny(), 4, quant_build="b1", weights_bytes=sizes, kv_bytes=GIB // 32)
-    need = {fmt: HEADROOM * (size + GIB) for fmt, size in sizes.items()}  # 32 sequences' KV cache: 1 GiB
+    need = {fmt: worker_memory(reply, fmt, 32, on_gpu=False) for fmt in sizes}
+    logits = 512 * reply.spec.vocab_size * 4  # llama.cpp's compute buffer
+    # 2 models, the raw version twice, its float32 copy (2 x F16) and, quantized, the F16 GGUF read back
+    assert need["f16"] == int(1.1 * (2 * 16 * GIB + GIB)) + 4 * 16 * GIB + PROCESS + logits
+    assert need["q8_0"] == int(1.1 * (2 * 8 * GIB + GIB // 8)) + 5 * 16 * GIB + PROCESS + logits  # G sequences
+    assert worker_memory(reply, "q8_0", 32, on_gpu=True) == need["q8_0"] - 5 * 16 * GIB  # those stay in RAM
     for budget, fmt in [(need["f16"], "f16"), (need["f16"] - 1, "q8_0"), (need["q4_k_m"], "q4_k_m"),
                         (need["q4_k_m"] - 1, "q4_0")]:  # fmt: skip
-        assert auto_weights(reply, "b1", 32, int(budget), "RAM") == fmt
-    assert auto_weights(reply, "b1", 8, int(need["q8_0"]), "RAM") == "q8_0"  # a smaller wave: less KV cache
-    with pytest.raises(ConfigError, match=r"no weight format fits RAM .*q4_0 5\.50 GiB\): join with a smaller"):
-        auto_weights(reply, "b1", 32, int(need["q4_0"] - 1), "RAM")
+        assert auto_weights(reply, "b1", 32, budget, "RAM") == fmt
+    assert worker_memory(reply, "f16", 8, False) < need["f16"]  # a smaller wave: less KV cache...
+    assert worker_memory(reply, "q8_0", 8, False) == need["q8_0"]  # ...where G sequences were counted already
+    with pytest.raises(ConfigError, match=r"no weight format fits RAM .*q4_0 [\d.]+ GiB\): join with --max-batch 4"):
+        auto_weights(reply, "b1", 32, need["q4_0"] - 1, "RAM")
     with pytest.raises(ConfigError, match=r"formats are out \(the learner replays them on llama.cpp build b1"):
-        auto_weights(reply, "b2", 32, int(need["q8_0"]), "RAM")  # another build: F16 or nothing
-    assert auto_weights(reply, "b2", 32, int(need["f16"]), "RAM") == "f16"
+        auto_weights(reply, "b2", 32, need["q8_0"], "RAM")  # another build: F16 or nothing
+    with pytest.raises(ConfigError, match=r"join with --gpu-layers 0 \(quantized workers run on the CPU\)"):
+        auto_weights(reply, "0.3.36-gpu-1234", 32, worker_memory(reply, "q8_0", 32, on_gpu=True), "the GPU's memory")
+    assert auto_weights(reply, "b2", 32, need["f16"], "RAM") == "f16"
     multi_turn = SpecReply("r", reply.spec, 4, {"spec": {}, "chat": {}}, quant_build="b1", weights_bytes=sizes)
     with pytest.raises(ConfigError, match="multi-turn"):
-        auto_weights(multi_turn, "b1", 32, int(need["q8_0"]), "RAM")
+        auto_weights(multi_turn, "b1", 32, need["q8_0"], "RAM")
     with pytest.raises(ConfigError, match="choose --quant f16, q8_0, q4_k_m or q4_0 yourself"):
         auto_weights(SpecReply("r", reply.spec, 4, quant_build="b1"), "b1", 32, 1 << 40, "RAM")
+    assert memory_budget(2.5, {"backend": "cpu"}) == (int(2.5 * GIB), "--memory-gib 2.5")
+    assert memory_budget(0, {"backend": "cuda", "gpu_mem_mb": 8192}) == (8 * GIB, "the GPU's memory")
+    assert memory_budget(0, {"backend": "cpu"})[0] > 0
+    with pytest.raises(ConfigError, match="vulkan GPU has is unknown here .*--memory-gib"):
+        memory_budget(0, {"backend": "vulkan"})
 
 
 def test_a_learner_takes_only_formats_it_can_verify():
@@ -115,7 +129,7 @@ def test_a_learner_takes_only_formats_it_can_verify():
     from p2p.config import ConfigError
 
     SwarmConfig(quant_formats="").validate()  # 16-bit workers only
-    with pytest.raises(ConfigError, match="swarm.quant_formats.*q3_k: choose from q8_0"):
+    with pytest.raises(ConfigError, match="swarm.quant_formats: 'q3_k': choose from q8_0"):
         SwarmConfig(quant_formats="q8_0,q3_k").validate()
 
 
@@ -175,6 +189,8 @@ def test_worker_quant_flags_are_checked_in_one_line(tmp_path):
     res = run_cli("worker", "join", "--learner", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooW", "--quant", "q8_0",
                   "--engine", "transformers")  # fmt: skip
     assert res.returncode == 2 and "needs --engine llamacpp" in res.stderr
+    res = run_cli("worker", "join", "--learner", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooW", "--memory-gib", "4")
+    assert res.returncode == 2 and "only --quant auto reads it" in res.stderr
     assert "Traceback" not in res.stderr
 
 
@@ -197,14 +213,15 @@ def test_an_f16_and_a_q8_0_worker_train_together_and_one_lying_about_its_format_
 
 
 def quant_auto_for(fmt: str) -> list[str]:
-    """`--quant auto` with a --memory-gib that fits the tiny model (swarm's token budget, 32 sequences) in `fmt`
-    and not in the next larger format."""
+    """`--quant auto` with a --memory-gib that fits a worker of the swarm fixture's tiny model (token budget 16,
+    G = 4, 32 sequences) in `fmt` and not in the next larger format."""
     from learner.train.fit import worker_sizes
     from learner.train.models import tiny_policy
-    from worker.quantize import GIB, HEADROOM, LARGEST_FIRST
+    from worker.quantize import GIB, LARGEST_FIRST, worker_memory
 
     sizes, kv = worker_sizes(tiny_policy(0).model.config, 16)
-    need = [HEADROOM * (sizes[f] + 32 * kv) for f in LARGEST_FIRST]
+    reply = SpecReply("r", model_spec_of_tiny(), 4, weights_bytes=sizes, kv_bytes=kv)
+    need = [worker_memory(reply, f, 32, on_gpu=False) for f in LARGEST_FIRST]
     at = LARGEST_FIRST.index(fmt)
     return ["--quant", "auto", "--memory-gib", f"{(need[at] + need[at - 1]) / 2 / GIB:.9f}"]
 
@@ -226,7 +243,7 @@ def test_a_quantized_worker_of_another_build_is_refused_at_join(swarm, tmp_path)
     q4 = swarm.worker("q4", "--quant", "q4_0")
     assert swarm.wait(small, 300) == 2 and swarm.wait(q4, 300) == 2, swarm.log("small")[-2000:] + swarm.log("q4")
     assert "--quant auto: no weight format fits --memory-gib 1e-05" in swarm.log("small"), swarm.log("small")[-2000:]
-    assert re.search(r"with a wave's KV cache: f16 [\d.]+ MiB, q8_0 [\d.]+ MiB\)", swarm.log("small"))  # learner's
+    assert re.search(r"a worker needs f16 [\d.]+ MiB, q8_0 [\d.]+ MiB\)", swarm.log("small"))  # the learner's two
     assert "--quant q4_0: this learner takes f16, q8_0 workers only" in swarm.log("q4"), swarm.log("q4")[-2000:]
     assert "Traceback" not in swarm.log("small") + swarm.log("q4") and learner.poll() is None
 

@@ -76,7 +76,10 @@ class WorkerConfig:
         require(self.max_groups >= 1, "worker.max_groups", "must be >= 1")
         require(self.quant in (*WEIGHT_FORMATS, "auto"), "worker.quant",
                 f"must be auto or one of {', '.join(WEIGHT_FORMATS)}, got {self.quant!r}")  # fmt: skip
-        require(0 <= self.memory_gib <= 1 << 20, "worker.memory_gib", f"must be >= 0 GiB, got {self.memory_gib}")
+        require(0 <= self.memory_gib <= 1 << 20, "worker.memory_gib",
+                f"must be in [0, 1048576] GiB, got {self.memory_gib}")  # fmt: skip
+        require(self.memory_gib == 0 or self.quant == "auto", "worker.memory_gib", "only --quant auto reads it: add "
+                "--quant auto, or leave --memory-gib out")  # fmt: skip
         require(self.quant == "f16" or self.engine == "llamacpp", "worker.quant",
                 f"{self.quant} needs --engine llamacpp: the transformers engine runs 16-bit weights")  # fmt: skip
         require(self.gpu_layers >= -1, "worker.gpu_layers", f"must be >= -1 (-1: all), got {self.gpu_layers}")

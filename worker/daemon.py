@@ -237,28 +237,28 @@ class WorkerDaemon:
         self.spec = reply.spec
 
     def _check_weights(self, reply: SpecReply) -> None:
-        """Quantized weights only where the learner can replay them: its llama.cpp build is this worker's."""
-        if self.cfg.quant == "auto":  # the first join, before any version is loaded: auto becomes a format
-            from worker.quantize import auto_weights, memory_budget
+        """The weight format, checked against what the learner takes and can replay (quantized: its llama.cpp
+        build is this worker's); --quant auto chooses it anew for each run (a restarted learner may differ)."""
+        if self.cfg.quant == "auto" and reply.run_id != self.run_id:  # no version of the run is loaded yet
+            from worker.quantize import auto_weights, memory_budget  # llama.cpp engines only (transformers: f16)
 
-            offload = self.hardware.get("gpu_mem_mb", 0) if self.engine.gpu_layers else 0
-            budget, where = memory_budget(self.cfg.memory_gib, int(offload))
-            self.cfg.quant = self.engine.quant = auto_weights(reply, self.engine.build, self.cfg.max_batch, budget,
-                                                              where)  # fmt: skip
-            self.hardware |= self.engine.backend()
-        quant, build = self.cfg.quant, self.hardware.get("build")
+            budget, where = memory_budget(self.cfg.memory_gib, self.engine.backend())
+            self.engine.quant = auto_weights(reply, self.engine.build, self.cfg.max_batch, budget, where)
+            self.hardware = {k: v for k, v in self.hardware.items() if k != "build"} | self.engine.backend()
+        quant, build = self.hardware.get("weights", "f16"), self.hardware.get("build")
+        flag = f"--quant auto ({quant})" if self.cfg.quant == "auto" else f"--quant {quant}"
         if quant == "f16":
             return
         if reply.weights_bytes and quant not in reply.weights_bytes:  # not in the learner's swarm.quant_formats
-            raise ConfigError(f"--quant {quant}: this learner takes {', '.join(reply.weights_bytes)} workers only: "
+            raise ConfigError(f"{flag}: this learner takes {', '.join(reply.weights_bytes)} workers only: "
                               "join with one of them, or with --quant auto")  # fmt: skip
         if reply.env is not None:
-            raise ConfigError(f"--quant {quant}: multi-turn episodes are verified on 16-bit weights only: join "
+            raise ConfigError(f"{flag}: multi-turn episodes are verified on 16-bit weights only: join "
                               "with --quant f16")  # fmt: skip
         if reply.quant_build != build:
             theirs = f"on llama.cpp build {reply.quant_build}" if reply.quant_build else "on no llama.cpp build"
             fix = "--gpu-layers 0 (it replays on its CPU)" if "-gpu-" in str(build) else "its llama-cpp-python build"
-            raise ConfigError(f"--quant {quant}: the learner verifies quantized workers {theirs}, this worker "
+            raise ConfigError(f"{flag}: the learner verifies quantized workers {theirs}, this worker "
                               f"runs {build}: join with --quant f16, or with {fix}")  # fmt: skip
 
     def _join_swarm(self) -> None:
@@ -326,7 +326,8 @@ class WorkerDaemon:
                     wait = min(wait * 2, 10.0)
 
         try:  # an environment's groups are episodes, played turn by turn; greedy ones: held-out evaluation
-            alone = lease.alone or self.cfg.quant != "f16"  # quantized: each group in its own wave, as replayed
+            quantized = self.hardware.get("weights", "f16") != "f16"  # each group in its own wave, as replayed
+            alone = lease.alone or quantized
             generate = functools.partial(generate_alone, self.engine.generate) if alone else self.engine.generate
             groups = generate_rollouts(generate, requests, lease.params, self.episodes, remote if hosted else None)
         except (EnvError, PeerUnavailable, RemoteError) as exc:  # its lease goes back to the learner when it expires

@@ -31,7 +31,8 @@ QUANT_TYPES = {
 }
 """Weight formats a worker's llama.cpp can run besides F16, by the name users give them."""
 LARGEST_FIRST = ("f16", "q8_0", "q4_k_m", "q4_0")  # what `--quant auto` tries, best kept weights first
-HEADROOM = 1.1  # llama.cpp's compute buffers and the worker itself, beside the weights and the KV cache
+HEADROOM = 1.1  # on the learner's estimates of weights and KV cache (worker_memory)
+PROCESS = 128 << 20  # the worker's Python with numpy and llama.cpp loaded (measured: 124 MB resident)
 GIB = 1 << 30
 
 log = logging.getLogger(__name__)
@@ -85,13 +86,17 @@ def dequantized_weights(path: str | Path, spec: ModelSpec, shapes: Mapping[str, 
     return out
 
 
-def memory_budget(memory_gib: float, gpu_mem_mb: int) -> tuple[int, str]:
-    """(bytes, what they are) that `--quant auto` fits the model in: --memory-gib, else the GPU's memory when
-    layers are offloaded (`gpu_mem_mb` > 0), else this machine's available RAM (MemAvailable, else all)."""
+def memory_budget(memory_gib: float, offload: dict) -> tuple[int, str]:
+    """(bytes, what they are) that `--quant auto` fits a worker in: --memory-gib, else the GPU's memory when
+    layers are offloaded (`offload`: the engine's backend(); nvidia-smi's figure), else this machine's available
+    RAM (MemAvailable, else all of it)."""
     if memory_gib > 0:
         return int(memory_gib * GIB), f"--memory-gib {memory_gib:g}"
-    if gpu_mem_mb > 0:
-        return gpu_mem_mb << 20, "the GPU's memory"
+    if offload.get("backend", "cpu") != "cpu":
+        if not offload.get("gpu_mem_mb"):
+            raise ConfigError(f"--quant auto: how much memory the {offload['backend']} GPU has is unknown here (no "
+                              "nvidia-smi): say it with --memory-gib")  # fmt: skip
+        return int(offload["gpu_mem_mb"]) << 20, "the GPU's memory"
     try:
         with open("/proc/meminfo") as meminfo:
             kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
@@ -100,29 +105,56 @@ def memory_budget(memory_gib: float, gpu_mem_mb: int) -> tuple[int, str]:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
 
 
+def worker_memory(reply: SpecReply, fmt: str, max_batch: int, on_gpu: bool) -> int:
+    """Bytes a worker running `fmt` holds at its peak, from the learner's sizes (SpecReply, learner.train.fit):
+
+        HEADROOM x (models x weights[fmt] + sequences x kv)  + raw + staging  + PROCESS + 512 x vocab x 4
+        models     2, the live model and the next version staged beside it (1: LoRA adapters hot-swapped)
+        sequences  max_batch (F16), or G (quantized workers draw each group alone)
+        raw        the fetcher's 16-bit version, twice while a delta rebuilds (LoRA: the base once)
+        staging    a version's float32 copy while its F16 GGUF is written (2 x F16's size), and that file
+                   again while llama.cpp quantizes it (quantized formats)
+        PROCESS    the worker's Python, and llama.cpp's compute buffer: a 512-token prefill's logits
+    raw and staging are RAM, not counted against a GPU's memory. Against the peak resident memory of SmolLM2
+    LoRA workers in a swarm: docs/benchmarks.md."""
+    lora = reply.spec.lora_rank > 0
+    models = 1 if lora and not unsupported_by_llama_layout(reply.spec) else 2
+    sequences = max_batch if fmt == "f16" else min(max_batch, reply.group_size)
+    f16 = reply.weights_bytes.get("f16", 0)
+    in_ram = 0 if on_gpu else f16 * ((1 if lora else 2) + 2 + (fmt != "f16"))
+    loaded = HEADROOM * (models * reply.weights_bytes[fmt] + sequences * reply.kv_bytes)
+    return int(loaded) + in_ram + PROCESS + 512 * reply.spec.vocab_size * 4
+
+
 def auto_weights(reply: SpecReply, build: str, max_batch: int, budget: int, where: str) -> str:
-    """`worker join --quant auto`: the largest format (LARGEST_FIRST) whose weights and a full wave's KV cache
-    (max_batch sequences), times HEADROOM, fit `budget` bytes; quantized ones only where the learner replays
-    them (its llama.cpp build is `build`, and the run is single-turn). Sizes: the learner's (SpecReply,
-    learner.train.fit). A ConfigError saying what each format needs when none fits."""
+    """`worker join --quant auto`: the largest format (LARGEST_FIRST) the learner takes (the keys of its
+    weights_bytes) whose worker_memory fits `budget` bytes; quantized ones only where the learner replays them
+    (its llama.cpp build is `build`, and the run is single-turn). A ConfigError saying what each needs when
+    none fits."""
     if not reply.weights_bytes:
         raise ConfigError("--quant auto: the learner does not say how large its model is (an older "
                           "echo-rl there): choose --quant f16, q8_0, q4_k_m or q4_0 yourself")  # fmt: skip
-    need = {fmt: int(HEADROOM * (reply.weights_bytes[fmt] + max_batch * reply.kv_bytes))
-            for fmt in LARGEST_FIRST if fmt in reply.weights_bytes}  # fmt: skip
+    on_gpu = "-gpu-" in build
+    need = {fmt: worker_memory(reply, fmt, max_batch, on_gpu) for fmt in LARGEST_FIRST if fmt in reply.weights_bytes}
     out = ""
     if reply.env is not None:
         out = "multi-turn episodes are verified on 16-bit weights only"
+    elif not reply.quant_build:
+        out = "this learner does not verify quantized workers"
     elif reply.quant_build != build:
-        out = f"the learner replays them on llama.cpp build {reply.quant_build or '(none)'}, this worker runs {build}"
+        out = f"the learner replays them on llama.cpp build {reply.quant_build}, this worker runs {build}"
     fits = [fmt for fmt in need if need[fmt] <= budget and (fmt == "f16" or not out)]
     sizes = ", ".join(f"{fmt} {size_text(need[fmt])}" for fmt in need)
     if not fits:
         why = f"; quantized formats are out ({out})" if out else ""
-        raise ConfigError(f"--quant auto: no weight format fits {where} ({size_text(budget)}; with a wave's KV "
-                          f"cache: {sizes}){why}: join with a smaller --max-batch, or on a larger machine")  # fmt: skip
-    log.info("--quant auto: %s fits %s (%s; with a wave's KV cache: %s)%s", fits[0], where, size_text(budget),
-             sizes, f"; quantized formats are out: {out}" if out else "")  # fmt: skip
+        fix = ("--gpu-layers 0 (quantized workers run on the CPU), or on a GPU with more memory" if on_gpu and out
+               else f"--max-batch {reply.group_size} (the least KV cache), or on a larger machine"
+               if max_batch > reply.group_size else "a larger --memory-gib" if where.startswith("--memory-gib")
+               else "more memory free")  # fmt: skip
+        raise ConfigError(f"--quant auto: no weight format fits {where} ({size_text(budget)}; a worker needs "
+                          f"{sizes}){why}: join with {fix}")  # fmt: skip
+    log.info("--quant auto: %s fits %s (%s; a worker needs %s)%s", fits[0], where, size_text(budget), sizes,
+             f"; quantized formats are out: {out}" if out else "")  # fmt: skip
     return fits[0]
 
 

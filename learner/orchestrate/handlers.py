@@ -18,7 +18,7 @@ from typing import Any
 from learner.config import LearnerConfig
 from learner.evaluation import Evaluator, eval_task
 from learner.orchestrate.evaluations import EvalBoard
-from learner.orchestrate.intake import PromptBook, RolloutIntake, lease_sampling, rollout_limits
+from learner.orchestrate.intake import PromptBook, RolloutIntake, completion_tokens, lease_sampling, rollout_limits
 from learner.orchestrate.journal import JournalState, RolloutJournal
 from learner.orchestrate.leases import LeaseTable
 from learner.orchestrate.replay import ReplayBuffer
@@ -92,9 +92,9 @@ class LearnerService:
         episodes = self.prompts.source.episodes  # a multi-turn environment's: workers get its rules with the spec
         self.env_wire = None if episodes is None else {"spec": episodes.spec.to_wire(), "chat": episodes.chat.to_wire()}
         # the weight formats this learner takes, and the llama.cpp build quantized ones must share (verify_quantized)
-        self.formats = ("f16", *filter(None, swarm.quant_formats.split(",")))
+        self.formats = swarm.weight_formats()
         self.quant_build = verifier.quantized.build if verifier.quantized is not None else ""
-        sizes, kv = worker_sizes(policy.model.config, cfg.sampler.max_new_tokens, spec.gguf_recipe, self.formats)
+        sizes, kv = worker_sizes(policy.model.config, completion_tokens(cfg), spec.gguf_recipe, self.formats)
         self.spec_reply = SpecReply(run_id, spec, cfg.grpo.group_size, self.env_wire, quant_build=self.quant_build,
                                     weights_bytes=sizes, kv_bytes=kv).to_wire()  # its vocabulary zstd once  # fmt: skip
         device = model_device(policy.model)

@@ -28,6 +28,7 @@ Its KV cache in F16: 2 (keys, values) x layers x kv_heads x head_dim x 2 bytes p
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, dataclass
 
@@ -184,8 +185,8 @@ def worker_sizes(
     """What a worker's `--quant auto` weighs (SpecReply): its weights in each of `formats`, and one sequence's KV
     cache (a prompt of PROMPT_TOKENS and the token budget). `recipe`: the model's GGUF recipe (ModelSpec.gguf_recipe,
     learner.train.gguf_recipe), which says whether a tied output matrix is stored twice."""
-    shape = model_shape(config)
-    names = {name for name, _ in json.loads(recipe)["tensors"]} if recipe else set()
+    shape = model_shape(copy.deepcopy(config))  # building a model sets fields on its config: not the live one's
+    names = {name for name, _ in json.loads(recipe).get("tensors", [])} if recipe else set()  # none: unsupported
     copied = shape.tied and {"output.weight", "token_embd.weight"} <= names
     sizes = worker_weights(shape, copied)
     return {fmt: sizes[fmt] for fmt in formats}, kv_cache(shape, RunShape(max_batch=1, max_new_tokens=max_new_tokens))
