@@ -27,9 +27,9 @@ class WorkerConfig:
     """Sequences decoded together."""
     quant: str = "f16"
     """llama.cpp: weight format, f16, q8_0, q4_0 or q4_k_m (made here from each 16-bit version; README), or
-    auto: the largest that fits --memory-gib and that the learner can verify."""
+    auto: the largest that fits this worker's memory and that the learner can verify."""
     memory_gib: float = 0.0
-    """--quant auto: memory for weights and KV cache, GiB (0: the GPU's when offloading, else free RAM)."""
+    """For an auto weight format: the memory a worker may use, GiB (0: the GPU's when offloading, else free RAM)."""
     gpu_layers: int = -1
     """llama.cpp: layers offloaded to the GPU (-1: all when llama.cpp was built with a GPU backend, else 0)."""
     device: str = "auto"
