@@ -217,12 +217,12 @@ def run_codec_bench(
     from worker.gguf_writer import write_gguf
     from worker.quantize import quantize_gguf
 
-    def quantized_version(policy, spec, version, fmt, work, base):
-        """`fmt`'s GGUF tensors as uint8 arrays, built as a version (delta against `base`) like bf16_version."""
+    def quantized_version(f16, version, fmt, work, base):
+        """`fmt`'s quantization of the F16 GGUF `f16`, its tensors as uint8 arrays built as a version (a delta
+        against `base`) like bf16_version."""
         import gguf
         import numpy as np
 
-        f16 = write_gguf(work / "f16.gguf", spec, wire_tensors(policy.model, "f16"))
         seconds = quantize_gguf(f16, work / f"{fmt}.gguf", fmt)
         stored = gguf.GGUFReader(work / f"{fmt}.gguf").tensors
         tensors = {t.name: np.asarray(t.data).view(np.uint8).ravel() for t in stored}
@@ -249,7 +249,8 @@ def run_codec_bench(
         full, raw0, full_enc, full_dec = bf16_version(policy, 0, None)
         previous = raw0
         work = Path(engine.work_dir)
-        held = {fmt: quantized_version(policy, spec, 0, fmt, work, None)[1] for fmt in quants}  # each format's v0
+        f16 = write_gguf(work / "f16.gguf", spec, wire_tensors(policy.model, "f16")) if quants else None
+        held = {fmt: quantized_version(f16, 0, fmt, work, None)[1] for fmt in quants}  # each format's v0
         rng = random.Random(0)
         for step in range(1, steps + 1):
             send_to_sampler(engine, spec, policy.model)
@@ -262,8 +263,9 @@ def run_codec_bench(
             pv, raw, enc, dec = bf16_version(policy, step, (step - 1, previous))
             if step in (1, steps):
                 rows.append(_codec_row(lr, f"v{step} vs v{step - 1}", pv, len(raw), enc, dec))
-            for fmt in quants:
-                qv, held_raw, quantize_s, enc = quantized_version(policy, spec, step, fmt, work, (step - 1, held[fmt]))
+            f16 = write_gguf(work / "f16.gguf", spec, wire_tensors(policy.model, "f16")) if quants else None
+            for fmt in quants:  # each from the one F16 GGUF of this version
+                qv, held_raw, quantize_s, enc = quantized_version(f16, step, fmt, work, (step - 1, held[fmt]))
                 if step in (1, steps):
                     row = _codec_row(lr, f"{fmt} v{step} vs v{step - 1}", qv, len(raw), enc, 0.0)
                     del row["decode_s"]  # not measured: the worker would load the file as it is
