@@ -8,7 +8,7 @@ import typer
 
 from echo_cli.help import EchoTyper
 from echo_cli.terminal import console, fail, setup_logging, user_errors
-from learner.config import SwarmConfig
+from learner.swarm_config import SwarmConfig
 
 bench_app = EchoTyper(no_args_is_help=True, help="Benchmarks that print measured figures.")
 

@@ -29,6 +29,7 @@ from learner.orchestrate.publisher import Publisher
 from learner.orchestrate.verify import RolloutVerifier
 from learner.orchestrate.verify_quantized import QuantEngines, QuantizedReplay
 from learner.run import Run, sampler_departure
+from learner.swarm_config import FOUR_BIT
 from learner.train.data_parallel import full_state
 from learner.train.models import model_spec
 from learner.train.wire_weights import send_to_sampler
@@ -121,6 +122,10 @@ def start_swarm(
     """Start the host and every handler of `run`'s swarm side, then write RUN_DIR/learner.addr. `probe`: see
     refuse_departing_llamacpp; `quant`: llama.cpp engines to replay quantized workers with (None: refused)."""
     refuse_departing_llamacpp(cfg, run, probe)
+    if cfg.grpo.objective == "behaviour" and (four_bit := set(FOUR_BIT) & set(cfg.swarm.weight_formats("behaviour"))):
+        log.warning("swarm.quant_formats takes %s workers under grpo.objective behaviour, which learned little from "
+                    "4-bit samplers (docs/benchmarks.md): --objective decoupled --minibatches 2 corrects for them",
+                    " and ".join(sorted(four_bit)))  # fmt: skip
     secret = read_secret(cfg.swarm.secret_file) if cfg.swarm.secret_file else None
     allow = read_allow_list(cfg.swarm.allow) if cfg.swarm.allow else None
     policy, swarm = run.policy, cfg.swarm

@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from learner.config import SwarmConfig  # noqa: E402
 from learner.orchestrate.replay_torch import replay_sampling  # noqa: E402
 from learner.orchestrate.rollouts import Rollout  # noqa: E402
 from learner.orchestrate.verify import divergence, draw_miss, group_draws, off_draw  # noqa: E402
+from learner.swarm_config import SwarmConfig  # noqa: E402
 from learner.train.models import load_policy, model_spec  # noqa: E402
 from learner.train.trainer import sampled_logprobs  # noqa: E402
 from learner.train.wire_weights import send_to_sampler  # noqa: E402

@@ -125,10 +125,15 @@ def test_a_learner_takes_only_formats_it_can_verify():
         declared_weights({"weights": "q8_0", "build": build}, "", False, True)
     with pytest.raises(BadRequest, match=r"takes f16, q8_0 only \(its swarm.quant_formats\)"):  # unverified too
         declared_weights({"weights": "q4_0", "build": build}, build, False, False, ("f16", "q8_0"))
-    from learner.config import SwarmConfig
+    from learner.swarm_config import SwarmConfig
     from p2p.config import ConfigError
 
     SwarmConfig(quant_formats="").validate()  # 16-bit workers only
+    auto = SwarmConfig()  # 4-bit workers only under an objective that corrects for the sampler
+    assert auto.weight_formats("behaviour") == ("f16", "q8_0")
+    assert auto.weight_formats("decoupled") == auto.weight_formats("cispo") == ("f16", "q8_0", "q4_k_m", "q4_0")
+    assert SwarmConfig(quant_formats="q4_0, q8_0,q4_0").weight_formats("behaviour") == ("f16", "q4_0", "q8_0")
+    assert SwarmConfig(quant_formats="").weight_formats("decoupled") == ("f16",)
     with pytest.raises(ConfigError, match="swarm.quant_formats: 'q3_k': choose from q8_0"):
         SwarmConfig(quant_formats="q8_0,q3_k").validate()
 
@@ -233,8 +238,9 @@ def peer_tail(key_file) -> str:
 
 
 def test_a_quantized_worker_of_another_build_is_refused_at_join(swarm, tmp_path):
-    """...or of a format the learner does not take, or with --quant auto where no format fits its memory."""
-    learner = swarm.learner("--steps", "1", "--quant-formats", "q8_0")
+    """...or of a format the learner does not take (the default takes 4-bit workers only with an objective that
+    corrects for them), or with --quant auto where no format fits its memory."""
+    learner = swarm.learner("--steps", "1")
     worker = swarm.forger("build")  # a q8_0 worker whose llama.cpp build is not the learner's
     assert worker.wait(300) == 2, (tmp_path / "forger.log").read_text()[-2000:]
     lines = [ln for ln in (tmp_path / "forger.log").read_text().splitlines() if "--quant" in ln]

@@ -40,7 +40,6 @@ from pathlib import Path
 
 from tinker import types
 
-from learner.config import SwarmConfig
 from learner.orchestrate.publisher import Publisher
 from learner.orchestrate.rollouts import Rollout
 from learner.orchestrate.verify import RolloutVerifier
@@ -55,6 +54,7 @@ from learner.serve.sampler import (
     workers_adapters,
 )
 from learner.serve.scorer import untied_replay
+from learner.swarm_config import SwarmConfig
 from learner.train.devices import give_back_freed_memory
 from learner.train.models import load_policy, model_spec
 from learner.train.wire_weights import wire_tensors
