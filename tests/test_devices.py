@@ -5,6 +5,7 @@ that was measured and where not)."""
 
 import copy
 import json
+import os
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from p2p.messages import GenerationRequest, Heartbeat, SamplingParams, describe_
 from tests.conftest import run_cli
 from tests.test_trainer import make_rollouts
 from worker.engines.hf import TransformersEngine
-from worker.engines.llamacpp import LlamaCppEngine, gpu_backend
+from worker.engines.llamacpp import LlamaCppEngine, gpu_backend, gpu_device
 
 
 def test_device_names_resolve_and_wrong_ones_say_why(monkeypatch):
@@ -143,6 +144,21 @@ def test_llamacpp_offload_on_a_cpu_build_is_refused_with_the_fix(tmp_path):
     assert LlamaCppEngine(tmp_path).gpu_layers == 0  # -1 (all) means none on a CPU build
     with pytest.raises(ConfigError, match="built for the CPU only.*ECHO_RL_GPU=cuda"):
         LlamaCppEngine(tmp_path, gpu_layers=10)
+
+
+def test_the_gpu_a_worker_offloads_to_is_the_one_named_by_its_gpu_flag(tmp_path, monkeypatch):
+    """`worker join --gpu N` sets CUDA_VISIBLE_DEVICES=N: its name and memory (what --quant auto sizes for) are
+    GPU N's, not the first GPU's. nvidia-smi here is a stand-in answering for GPUs 0 and 1."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\n[ "$2" = 1 ] && echo "RTX 3060, 12288" || echo "RTX 4090, 24564"\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpu_device() == {"gpu": "RTX 4090", "gpu_mem_mb": 24564}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    assert gpu_device() == {"gpu": "RTX 3060", "gpu_mem_mb": 12288}
+    smi.write_text("#!/bin/sh\nexit 9\n")
+    assert gpu_device() == {}
 
 
 def test_heartbeat_carries_the_backend_and_status_shows_it():

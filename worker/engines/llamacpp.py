@@ -68,13 +68,13 @@ def gpu_backend() -> str:
 
 
 def gpu_device() -> dict[str, str | int]:
-    """The first NVIDIA GPU's name and memory from nvidia-smi (llama-cpp-python does not expose ggml's
-    device list); {} where there is none or nvidia-smi is missing (Metal, Vulkan on other vendors)."""
+    """Name and memory of the NVIDIA GPU llama.cpp offloads to, from nvidia-smi (llama-cpp-python does not expose
+    ggml's device list): the first of CUDA_VISIBLE_DEVICES (`worker join --gpu N` sets it), else GPU 0; {} where
+    there is none or nvidia-smi is missing (Metal, Vulkan on other vendors)."""
+    index = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip() or "0"
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=10, check=True,
-        ).stdout.splitlines()[0]  # fmt: skip
+        out = subprocess.run(["nvidia-smi", "-i", index, "--query-gpu=name,memory.total", "--format=csv,noheader,"
+                              "nounits"], capture_output=True, text=True, timeout=10, check=True).stdout.splitlines()[0]
         name, mem = out.rsplit(",", 1)
         return {"gpu": name.strip(), "gpu_mem_mb": int(mem)}
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
