@@ -160,6 +160,10 @@ class GRPOConfig:
     sampling_rounds: int = 4
     """With dynamic sampling, after this many batches' worth of groups train on whatever signal was found."""
 
+    def corrects_sampler(self) -> bool:
+        """Whether the objective weighs tokens for the sampler's mismatch (what 4-bit workers need, §4)."""
+        return self.objective != "behaviour" and self.correction != "none"
+
     def validate(self) -> None:
         require(self.prompts_per_step >= 1, "grpo.prompts_per_step", "must be >= 1")
         require(

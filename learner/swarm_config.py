@@ -9,9 +9,10 @@ from typing import Literal
 from p2p.config import check_uplink, require
 from p2p.messages import WEIGHT_FORMATS
 
-# Quantized formats a learner takes under the behaviour objective only when swarm.quant_formats names them: in
-# the demo's swarm runs, 4-bit workers under it clipped 28% of their tokens and learned little in 20 steps, where
-# an objective correcting for the sampler learned (docs/benchmarks.md, "Quantized workers in a swarm").
+# Quantized formats a learner takes without a sampler correction (GRPOConfig.corrects_sampler) only where
+# swarm.quant_formats names them: in the demo's swarm runs, 4-bit workers under the behaviour objective clipped a
+# quarter of their tokens and learned little in 20 steps, where objectives correcting for the sampler learned
+# (docs/benchmarks.md, "Quantized workers in a swarm").
 FOUR_BIT = ("q4_k_m", "q4_0")
 
 
@@ -66,7 +67,7 @@ class SwarmConfig:
     """Share of a group's tokens that may lie beside their draw's token (float noise) before the worker is flagged."""
     quant_formats: str = "auto"
     """Weight formats workers may run besides f16 (`worker join --quant`), comma-separated; auto: q8_0, and
-    q4_k_m, q4_0 where grpo.objective corrects for the sampler (not behaviour); "": 16-bit only."""
+    q4_k_m, q4_0 where the objective corrects for the sampler (not behaviour; a correction); "": 16-bit only."""
     check_llamacpp: bool = True
     """Before serving a family llama.cpp runs through its converter, sample a few tokens with llama.cpp here and
     refuse llama.cpp workers if it departs from the learner (holds an F16 copy of the model once)."""
@@ -83,12 +84,12 @@ class SwarmConfig:
     allow: str = ""
     """File of worker peer ids allowed to work, one per line ("": any peer that passes the secret check)."""
 
-    def weight_formats(self, objective: str) -> tuple[str, ...]:
+    def weight_formats(self, corrected: bool = False) -> tuple[str, ...]:
         """The weight formats the learner takes: f16 and those in quant_formats, once each; auto: q8_0, and the
-        FOUR_BIT formats where `objective` (grpo.objective) is not behaviour."""
+        FOUR_BIT formats where the objective is `corrected` for the sampler (GRPOConfig.corrects_sampler)."""
         text = self.quant_formats
         if text.strip() == "auto":
-            text = ",".join(["q8_0", *(FOUR_BIT if objective != "behaviour" else ())])
+            text = ",".join(["q8_0", *(FOUR_BIT if corrected else ())])
         names = dict.fromkeys(["f16", *(name.strip() for name in text.split(","))])
         return tuple(name for name in names if name)
 
@@ -115,8 +116,9 @@ class SwarmConfig:
         require(self.upload_bps >= 0, "swarm.upload_bps", f"must be >= 0 (0: no cap), got {self.upload_bps}")
         check_uplink(self.uplink_mbit, "swarm.uplink_mbit")
         require(self.verify_first >= 0, "swarm.verify_first", f"must be >= 0, got {self.verify_first}")
-        bad = [repr(f) for f in self.weight_formats("any") if f not in WEIGHT_FORMATS]
-        require(not bad, "swarm.quant_formats", f"{', '.join(bad)}: choose from {', '.join(WEIGHT_FORMATS[1:])}")
+        bad = [repr(f) for f in self.weight_formats(corrected=True) if f not in WEIGHT_FORMATS]
+        require(not bad, "swarm.quant_formats", f"{', '.join(bad)}: choose auto (the default), \"\" (16-bit only) "
+                f"or formats from {', '.join(WEIGHT_FORMATS[1:])}")  # fmt: skip
         require(
             0 <= self.verify_fraction <= 1, "swarm.verify_fraction", f"must be in [0, 1], got {self.verify_fraction}"
         )

@@ -122,10 +122,11 @@ def start_swarm(
     """Start the host and every handler of `run`'s swarm side, then write RUN_DIR/learner.addr. `probe`: see
     refuse_departing_llamacpp; `quant`: llama.cpp engines to replay quantized workers with (None: refused)."""
     refuse_departing_llamacpp(cfg, run, probe)
-    if cfg.grpo.objective == "behaviour" and (four_bit := set(FOUR_BIT) & set(cfg.swarm.weight_formats("behaviour"))):
-        log.warning("swarm.quant_formats takes %s workers under grpo.objective behaviour, which learned little from "
-                    "4-bit samplers (docs/benchmarks.md): --objective decoupled --minibatches 2 corrects for them",
-                    " and ".join(sorted(four_bit)))  # fmt: skip
+    four_bit = sorted(set(FOUR_BIT) & set(cfg.swarm.weight_formats())) if quant and not cfg.env.env else []
+    if four_bit and not cfg.grpo.corrects_sampler():
+        log.warning("swarm.quant_formats takes %s workers, and the objective does not correct for their sampler: "
+                    "4-bit workers learned little without it (docs/benchmarks.md); --objective decoupled "
+                    "--minibatches 2 (correction tis) does", " and ".join(four_bit))  # fmt: skip
     secret = read_secret(cfg.swarm.secret_file) if cfg.swarm.secret_file else None
     allow = read_allow_list(cfg.swarm.allow) if cfg.swarm.allow else None
     policy, swarm = run.policy, cfg.swarm

@@ -41,7 +41,10 @@ def main() -> int:
     parser.add_argument(
         "--worker-arg", action="append", default=[], help="one more `worker join` flag, e.g. --worker-arg=--no-overlap"
     )
-    parser.add_argument("--quant", default="", help="workers' weight formats, cycled: f16,q4_0 (1: F16, 2: q4_0)")
+    parser.add_argument(
+        "--quant", default="", help="workers' weight formats, cycled: f16,q8_0 (1: F16, 2: q8_0); 4-bit ones need a "
+        "learner correcting for them (--objective decoupled --minibatches 2) or naming them in --quant-formats"
+    )
     parser.add_argument("learner_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     learner_args = [a for a in args.learner_args if a != "--"]

@@ -157,6 +157,10 @@ def test_the_gpu_a_worker_offloads_to_is_the_one_named_by_its_gpu_flag(tmp_path,
     assert gpu_device() == {"gpu": "RTX 4090", "gpu_mem_mb": 24564}
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
     assert gpu_device() == {"gpu": "RTX 3060", "gpu_mem_mb": 12288}
+    for hidden in ["", "MIG-5c89b8f0-1e2c-5b0b-8a3e-000000000000"]:  # no GPU visible; a slice of one
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert gpu_device() == {}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     smi.write_text("#!/bin/sh\nexit 9\n")
     assert gpu_device() == {}
 

@@ -129,12 +129,19 @@ def test_a_learner_takes_only_formats_it_can_verify():
     from p2p.config import ConfigError
 
     SwarmConfig(quant_formats="").validate()  # 16-bit workers only
+    from learner.config import GRPOConfig
+
     auto = SwarmConfig()  # 4-bit workers only under an objective that corrects for the sampler
-    assert auto.weight_formats("behaviour") == ("f16", "q8_0")
-    assert auto.weight_formats("decoupled") == auto.weight_formats("cispo") == ("f16", "q8_0", "q4_k_m", "q4_0")
-    assert SwarmConfig(quant_formats="q4_0, q8_0,q4_0").weight_formats("behaviour") == ("f16", "q4_0", "q8_0")
-    assert SwarmConfig(quant_formats="").weight_formats("decoupled") == ("f16",)
-    with pytest.raises(ConfigError, match="swarm.quant_formats: 'q3_k': choose from q8_0"):
+    for objective, correction, corrected in [("behaviour", "tis", False), ("decoupled", "tis", True),
+                                             ("cispo", "icepop", True), ("decoupled", "none", False)]:  # fmt: skip
+        assert GRPOConfig(objective=objective, correction=correction).corrects_sampler() is corrected
+    assert auto.weight_formats(corrected=False) == ("f16", "q8_0")
+    assert auto.weight_formats(corrected=True) == ("f16", "q8_0", "q4_k_m", "q4_0")
+    assert SwarmConfig(quant_formats="q4_0, q8_0,q4_0").weight_formats() == ("f16", "q4_0", "q8_0")
+    assert SwarmConfig(quant_formats="").weight_formats(corrected=True) == ("f16",)
+    with pytest.raises(ConfigError, match=r"'AUTO': choose auto \(the default\)"):
+        SwarmConfig(quant_formats="AUTO").validate()
+    with pytest.raises(ConfigError, match="swarm.quant_formats: 'q3_k': choose auto .* or formats from q8_0"):
         SwarmConfig(quant_formats="q8_0,q3_k").validate()
 
 

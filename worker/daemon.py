@@ -104,6 +104,7 @@ class WorkerDaemon:
         self.secret = read_secret(cfg.secret_file) if cfg.secret_file else None
         if cfg.gpu >= 0:  # before any engine starts CUDA: llama.cpp and torch read it when they do
             os.environ["CUDA_VISIBLE_DEVICES"] = str(cfg.gpu)
+            os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # N counts as nvidia-smi counts (not fastest first)
 
     def install_signal_handlers(self) -> None:
         def leave(signum: int, frame: object) -> None:

@@ -92,7 +92,7 @@ class LearnerService:
         episodes = self.prompts.source.episodes  # a multi-turn environment's: workers get its rules with the spec
         self.env_wire = None if episodes is None else {"spec": episodes.spec.to_wire(), "chat": episodes.chat.to_wire()}
         # the weight formats this learner takes, and the llama.cpp build quantized ones must share (verify_quantized)
-        self.formats = swarm.weight_formats(grpo.objective)
+        self.formats = swarm.weight_formats(grpo.corrects_sampler())
         self.quant_build = verifier.quantized.build if verifier.quantized is not None else ""
         sizes, kv = worker_sizes(policy.model.config, completion_tokens(cfg), spec.gguf_recipe, self.formats)
         self.spec_reply = SpecReply(run_id, spec, cfg.grpo.group_size, self.env_wire, quant_build=self.quant_build,

@@ -68,10 +68,11 @@ def gpu_backend() -> str:
 
 
 def gpu_device() -> dict[str, str | int]:
-    """Name and memory of the NVIDIA GPU llama.cpp offloads to, from nvidia-smi (llama-cpp-python does not expose
-    ggml's device list): the first of CUDA_VISIBLE_DEVICES (`worker join --gpu N` sets it), else GPU 0; {} where
-    there is none or nvidia-smi is missing (Metal, Vulkan on other vendors)."""
-    index = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip() or "0"
+    """Name and memory of the NVIDIA GPU llama.cpp offloads to first (nvidia-smi: llama-cpp-python hides ggml's
+    devices); {} for none, a MIG slice (not its GPU's memory) or no nvidia-smi (Metal, Vulkan of other vendors)."""
+    index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()  # `--gpu N` sets it (PCI order)
+    if not index or index.startswith("MIG-"):
+        return {}
     try:
         out = subprocess.run(["nvidia-smi", "-i", index, "--query-gpu=name,memory.total", "--format=csv,noheader,"
                               "nounits"], capture_output=True, text=True, timeout=10, check=True).stdout.splitlines()[0]
