@@ -115,6 +115,19 @@ def refuse_departing_llamacpp(cfg: LearnerConfig, run: Run, probe: Callable[[Mod
         log.warning("%s: llama.cpp workers are refused, transformers workers run it", reason)
 
 
+def warn_uncorrected_four_bit(cfg: LearnerConfig, quantized: bool) -> list[str]:
+    """Warn once, at start, where swarm.quant_formats names 4-bit formats (an expert's choice: auto takes them only
+    under a correcting objective) and the objective does not correct for their sampler; `quantized`: quantized
+    workers are taken at all (llama.cpp replays them; single-turn). Returns the 4-bit formats warned about."""
+    four_bit = sorted(set(FOUR_BIT) & set(cfg.swarm.weight_formats())) if quantized and not cfg.env.env else []
+    if not four_bit or cfg.grpo.corrects_sampler():
+        return []
+    log.warning("swarm.quant_formats takes %s workers, and the objective does not correct for their sampler: "
+                "4-bit workers learned little without it (docs/benchmarks.md); --objective decoupled "
+                "--minibatches 2 (correction tis) does", " and ".join(four_bit))  # fmt: skip
+    return four_bit
+
+
 def start_swarm(
     cfg: LearnerConfig, run: Run, resume: bool, probe: Callable[[ModelSpec], Engine | None] | None = None,
     quant: QuantEngines | None = None,
@@ -122,11 +135,7 @@ def start_swarm(
     """Start the host and every handler of `run`'s swarm side, then write RUN_DIR/learner.addr. `probe`: see
     refuse_departing_llamacpp; `quant`: llama.cpp engines to replay quantized workers with (None: refused)."""
     refuse_departing_llamacpp(cfg, run, probe)
-    four_bit = sorted(set(FOUR_BIT) & set(cfg.swarm.weight_formats())) if quant and not cfg.env.env else []
-    if four_bit and not cfg.grpo.corrects_sampler():
-        log.warning("swarm.quant_formats takes %s workers, and the objective does not correct for their sampler: "
-                    "4-bit workers learned little without it (docs/benchmarks.md); --objective decoupled "
-                    "--minibatches 2 (correction tis) does", " and ".join(four_bit))  # fmt: skip
+    warn_uncorrected_four_bit(cfg, quant is not None)
     secret = read_secret(cfg.swarm.secret_file) if cfg.swarm.secret_file else None
     allow = read_allow_list(cfg.swarm.allow) if cfg.swarm.allow else None
     policy, swarm = run.policy, cfg.swarm

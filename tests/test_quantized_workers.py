@@ -145,6 +145,25 @@ def test_a_learner_takes_only_formats_it_can_verify():
         SwarmConfig(quant_formats="q8_0,q3_k").validate()
 
 
+def test_a_learner_warns_at_start_where_named_4_bit_workers_meet_an_uncorrected_objective(caplog):
+    from learner.config import EnvConfig, GRPOConfig, LearnerConfig
+    from learner.swarm_config import SwarmConfig
+    from learner.swarm_side import warn_uncorrected_four_bit
+
+    named = SwarmConfig(quant_formats="q8_0,q4_0")
+    corrected = GRPOConfig(objective="decoupled", correction="tis", minibatches=2)
+    for cfg, quantized, warned in [
+        (LearnerConfig(swarm=named), True, ["q4_0"]),  # behaviour with q4_0 named: the expert's choice, warned
+        (LearnerConfig(swarm=named, grpo=corrected), True, []),
+        (LearnerConfig(), True, []),  # auto: no 4-bit under behaviour, nothing to warn about
+        (LearnerConfig(swarm=SwarmConfig(quant_formats="q4_k_m,q4_0")), False, []),  # no quantized worker taken
+        (LearnerConfig(swarm=named, env=EnvConfig(env="calculator")), True, []),  # multi-turn: 16-bit workers only
+    ]:
+        caplog.clear()
+        assert warn_uncorrected_four_bit(cfg, quantized) == warned
+        assert ("--objective decoupled --minibatches 2" in caplog.text) is bool(warned)
+
+
 def draw(tiny, tmp_path, fmt: str, requests: list[GenerationRequest]) -> list[list]:
     """Groups a worker running `fmt` draws, each alone (as a quantized worker's daemon does)."""
     engine = make_engine("llamacpp", tmp_path / f"worker-{fmt}", 2, 32, 0, quant=fmt)
